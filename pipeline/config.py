@@ -1,0 +1,41 @@
+"""Engine configuration: one validated dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("none", "int8", "nf4")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """model: a local Hugging Face causal-LM directory, or None for the bundled
+    SmolLM2-135M-Instruct. kv_cache_gib is the memory budget of the paged KV cache;
+    the number of blocks is derived from it once, at start-up."""
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantization: str = "none"
+    kv_cache_gib: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None    # None: the model's own context length
+    num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
+    use_cuda_graphs: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
