@@ -1,0 +1,110 @@
+"""Attention over the paged KV cache, for a packed batch of sequences.
+
+The batch is packed (no padding): decoding sequences first, one token each, then
+prefill chunks. `AttentionMetadata` is built once per step by the model runner and
+shared by every layer.
+
+The cache of a layer is [num_blocks, kv_heads, block_size, head_dim]: a block holds
+each head's keys contiguously, so a gathered block is directly a batch of small
+matrices for bmm. Decoding attends block by block over exactly the blocks each
+sequence owns (no padding to the longest sequence) and combines the blocks with a
+per-sequence softmax, as flash-decoding does: on a CPU the memory traffic of
+gathering keys, not the arithmetic, is what costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int                      # rows of this chunk in the packed batch
+    end: int
+    block_ids: torch.Tensor | None  # blocks of all keys it attends to; None: no earlier context
+    mask: torch.Tensor | None       # [chunk, keys] bool, causal with an offset, when block_ids is set
+
+
+@dataclass(slots=True)
+class DecodeLayout:
+    block_ids: torch.Tensor    # [n] every block read by a decoding sequence, sequence by sequence
+    owner: torch.Tensor        # [n] which decoding sequence (row) each block belongs to
+    mask: torch.Tensor | None  # [n, 1, 1, block_size] additive: -inf past a sequence's length
+    num_seqs: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [tokens] block_id * block_size + offset of each new token
+    decode: DecodeLayout | None         # rows 0..decode.num_seqs-1 are single-token decodes
+    prefills: list[PrefillChunk]
+
+
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """Store x [tokens, kv_heads, head_dim] at the tokens' slots of cache [blocks, kv_heads, bs, head_dim]."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    heads = torch.arange(num_kv_heads, device=x.device)
+    rows = ((block.unsqueeze(1) * num_kv_heads + heads) * block_size + offset.unsqueeze(1)).reshape(-1)
+    cache.view(-1, head_dim).index_copy_(0, rows, x.reshape(-1, head_dim))
+
+
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` keys (or values): [kv_heads, length, head_dim]."""
+    blocks = cache.index_select(0, block_ids)                       # [n, kv_heads, bs, head_dim]
+    return blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :length]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
+    Returns [tokens, heads, head_dim]."""
+    write_kv(k_cache, meta.slot_mapping, k)
+    write_kv(v_cache, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        b = meta.decode.num_seqs
+        out[:b] = decode_attention(q[:b], k_cache, v_cache, meta.decode, scale)
+    for chunk in meta.prefills:
+        qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)       # [1, heads, n, head_dim]
+        if chunk.block_ids is None:
+            kc = k[chunk.start:chunk.end].transpose(0, 1)                 # [kv_heads, n, head_dim]
+            vc = v[chunk.start:chunk.end].transpose(0, 1)
+        else:
+            length = chunk.mask.shape[1]
+            kc = gather_context(k_cache, chunk.block_ids, length)
+            vc = gather_context(v_cache, chunk.block_ids, length)
+        o = F.scaled_dot_product_attention(
+            qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=chunk.mask,
+            is_causal=chunk.block_ids is None, scale=scale, enable_gqa=True)
+        out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     layout: DecodeLayout, scale: float) -> torch.Tensor:
+    """One query token per sequence against its own blocks. q: [seqs, heads, head_dim]."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    owner = layout.owner
+    keys = k_cache.index_select(0, layout.block_ids)                   # [n, kv_heads, bs, head_dim]
+    values = v_cache.index_select(0, layout.block_ids)
+    # Grouped-query attention without repeating K/V: queries as [.., kv_heads, group, head_dim].
+    q_blocks = q.view(num_seqs, num_kv_heads, group, head_dim).index_select(0, owner)
+    scores = torch.matmul(q_blocks, keys.transpose(-1, -2)).mul_(scale)  # [n, kv_heads, group, bs]
+    if layout.mask is not None:
+        scores.add_(layout.mask)
+    # Softmax across all blocks of a sequence: shift by the sequence's max, sum per sequence.
+    block_max = scores.amax(dim=-1)                                    # [n, kv_heads, group]
+    seq_max = torch.full((num_seqs, num_kv_heads, group), float("-inf"), dtype=q.dtype, device=q.device)
+    seq_max.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(block_max), block_max, "amax")
+    probs = scores.sub_(seq_max.index_select(0, owner).unsqueeze(-1)).exp_()
+    denom = torch.zeros_like(seq_max).index_add_(0, owner, probs.sum(dim=-1))
+    partial = torch.matmul(probs, values)                              # [n, kv_heads, group, head_dim]
+    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    out.index_add_(0, owner, partial).div_(denom.unsqueeze(-1))
+    return out.view(num_seqs, num_heads, head_dim)

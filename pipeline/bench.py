@@ -1,0 +1,50 @@
+"""`pipeline bench`: run a workload file through the engine and report throughput in the
+same JSON shape as ../shared/bench/peers.py, so the two can be compared line for line."""
+from __future__ import annotations
+
+import json
+import time
+
+from pipeline.config import EngineConfig
+from pipeline.request import Request
+from pipeline.sampling_params import SamplingParams
+
+
+def read_workload(path: str) -> list[Request]:
+    """Lines as written by shared/bench/workload.py: id, prompt, max_tokens, temperature, ignore_eos."""
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                params = SamplingParams(max_tokens=row.get("max_tokens", 256),
+                                        temperature=row.get("temperature", 0.0),
+                                        ignore_eos=row.get("ignore_eos", False))
+                requests.append(Request(str(row.get("id", line_no)), prompt=row["prompt"], params=params))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}, line {line_no}: {e}") from None
+    return requests
+
+
+def run_bench(path: str, config: EngineConfig) -> dict:
+    from pipeline.engine import Engine
+
+    requests = read_workload(path)
+    engine = Engine(config)
+    # Warm-up (not timed): one short request, as the peers do.
+    warm = requests[0]
+    list(engine.generate([Request("warm-up", prompt=warm.prompt, params=SamplingParams(max_tokens=2, temperature=0))]))
+    start = time.perf_counter()
+    outputs = list(engine.generate(requests))
+    seconds = time.perf_counter() - start
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].id}: {errors[0].error}")
+    prompt_tokens = sum(o.prompt_tokens for o in outputs)
+    output_tokens = sum(o.output_tokens for o in outputs)
+    return {"engine": "pipeline", "requests": len(outputs), "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "seconds": round(seconds, 3),
+            "output_tok_s": round(output_tokens / seconds, 2),
+            "total_tok_s": round((output_tokens + prompt_tokens) / seconds, 2)}

@@ -1,0 +1,183 @@
+"""The engine: schedule -> run the model -> sample -> retire, one step at a time.
+
+    engine = Engine(EngineConfig(model="path/to/hf-dir"))
+    for out in engine.generate(requests):   # each result as soon as it finishes
+        ...
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from pipeline.block_manager import BlockManager
+from pipeline.config import EngineConfig
+from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.kv_cache import KVCache
+from pipeline.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
+from pipeline.model_runner import ModelRunner
+from pipeline.quantization import quantize
+from pipeline.request import Request, RequestOutput
+from pipeline.sampler import Sampler
+from pipeline.scheduler import Scheduler
+from pipeline.sequence import Sequence
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but no CUDA GPU is available; use device 'cpu'")
+        self.device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        model, args = load_model(self.model_dir, dtype, self.device)
+        self.model = quantize(model, config.quantization, self.device, dtype)
+        self.eos_token_ids = self._eos_token_ids()
+
+        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
+            config.kv_cache_gib * 2**30, args.num_layers, args.num_kv_heads, args.head_dim,
+            config.block_size, dtype)
+        kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size,
+                           num_blocks, dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        max_model_len = min(config.max_model_len or args.max_position_embeddings,
+                            args.max_position_embeddings)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=max_model_len)
+        self.runner = ModelRunner(self.model, kv_cache, self.device)
+        self.sampler = Sampler(self.device)
+        self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.block_manager.utilization
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        gen_config = self.model_dir / "generation_config.json"
+        for source in (read_hf_config(self.model_dir),
+                       json.loads(gen_config.read_text()) if gen_config.exists() else {}):
+            eos = source.get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def tokenize(self, request: Request) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template(request.messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(request.prompt)
+
+    def generate(self, requests: Iterable[Request],
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's result as soon as it finishes (not in input order).
+
+        Requests are pulled lazily, so a huge iterable is never held at once. A request
+        that cannot run (tokeniser failure, prompt too long) yields an error result and
+        never stops the others. When `should_stop()` turns true (checked between steps),
+        unfinished requests are dropped, their blocks freed, and generation ends.
+        """
+        pending = iter(requests)
+        lookahead = 2 * self.config.max_num_seqs
+        exhausted = False
+        while True:
+            while not exhausted and len(self.scheduler.waiting) < lookahead:
+                request = next(pending, None)
+                if request is None:
+                    exhausted = True
+                    break
+                seq, error = self._admit(request)
+                if error is not None:
+                    yield error
+            if self.scheduler.num_unfinished == 0:
+                if exhausted:
+                    return
+                continue
+            if should_stop is not None and should_stop():
+                self.scheduler.abort_all()
+                return
+            yield from self.step()
+
+    def _admit(self, request: Request) -> tuple[Sequence | None, RequestOutput | None]:
+        arrival = time.perf_counter()
+        try:
+            prompt_ids = self.tokenize(request)
+        except Exception as e:  # a bad template or tokenizer failure fails this request only
+            return None, _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
+        seq = Sequence(request.id, prompt_ids, request.params,
+                       IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival)
+        error = self.scheduler.admission_error(seq)
+        if error is not None:
+            return None, _error_output(request.id, error, len(prompt_ids), arrival)
+        self.scheduler.add(seq)
+        return seq, None
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            raise RuntimeError("scheduler produced an empty step with work pending")
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sampling, logits = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        self.num_steps += 1
+        if not sampling:
+            return []
+        tokens = self.sampler(logits, sampling)
+        now = time.perf_counter()
+        finished = []
+        for seq, token in zip(sampling, tokens):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._append_token(seq, token):
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+                finished.append(_output_of(seq))
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int) -> bool:
+        """Record a sampled token; returns True when the sequence is finished."""
+        seq.output_token_ids.append(token)
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif seq.detokenizer.add_token(token):
+            seq.finish_reason = "stop"
+            return True  # the text is already cut before the stop string
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return False
+        seq.detokenizer.flush()
+        return True
+
+
+def _output_of(seq: Sequence) -> RequestOutput:
+    return RequestOutput(
+        id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
+        finish_reason=seq.finish_reason, error=None, prompt_tokens=seq.num_prompt_tokens,
+        output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
+        ttft_s=seq.first_token_time - seq.arrival_time, latency_s=seq.finish_time - seq.arrival_time)
+
+
+def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:
+    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason="error", error=error,
+                         prompt_tokens=prompt_tokens, output_tokens=0, queue_s=0.0, ttft_s=None,
+                         latency_s=time.perf_counter() - arrival)

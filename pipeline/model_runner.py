@@ -1,0 +1,102 @@
+"""Turns a scheduled batch into one forward pass over packed tokens.
+
+Owns the model and the KV cache: lays out the step's tokens (decodes first, then
+prefill chunks), builds the attention metadata shared by every layer, and returns
+logits only for the sequences that sample this step.
+"""
+from __future__ import annotations
+
+import torch
+
+from pipeline.attention import AttentionMetadata, DecodeLayout, PrefillChunk
+from pipeline.kv_cache import KVCache
+from pipeline.scheduler import ScheduledBatch
+from pipeline.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.k_cache = kv_cache.k[i]
+            layer.self_attn.v_cache = kv_cache.v[i]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Run one step. Returns the sequences whose last token was computed (they sample
+        now) and their logits [len(those), vocab]."""
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        seqs = [batch.seqs[i] for i in order]
+        num_new = [batch.num_new_tokens[i] for i in order]
+        input_ids, positions, meta, sample_rows = self._prepare(seqs, num_new)
+        hidden = self.model(input_ids, positions, meta)                 # [tokens, hidden]
+        sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n == s.num_tokens]
+        if not sampling:
+            return [], hidden.new_empty((0, 0))
+        logits = self.model.compute_logits(hidden[sample_rows])         # [sampling, vocab]
+        return sampling, logits
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _prepare(self, seqs: list[Sequence], num_new: list[int]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for seq, n in zip(seqs, num_new):
+            start = seq.num_computed_tokens
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids(start, start + n))
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(self._slots(seq.block_table, start, start + n))
+            if start + n == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+            if n == 1:
+                decode_tables.append(seq.block_table)
+                decode_lens.append(start + 1)
+            elif start == 0:
+                prefills.append(PrefillChunk(row, row + n, None, None))
+            else:
+                num_blocks = -(-(start + n) // self.block_size)
+                block_ids = torch.tensor(seq.block_table[:num_blocks], device=self.device)
+                q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
+                mask = torch.arange(start + n, device=self.device).unsqueeze(0) <= q_pos
+                prefills.append(PrefillChunk(row, row + n, block_ids, mask))
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            decode=self._decode_layout(decode_tables, decode_lens) if decode_tables else None,
+            prefills=prefills)
+        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                meta, torch.tensor(sample_rows, device=self.device))
+
+    def _decode_layout(self, tables: list[list[int]], lens: list[int]) -> DecodeLayout:
+        """The blocks each decoding sequence reads, concatenated, and a mask hiding the
+        unused tail of each sequence's last block."""
+        bs = self.block_size
+        block_ids: list[int] = []
+        owner: list[int] = []
+        tails: list[int] = []    # valid tokens in each block
+        for row, (table, length) in enumerate(zip(tables, lens)):
+            num_blocks = -(-length // bs)
+            block_ids.extend(table[:num_blocks])
+            owner.extend([row] * num_blocks)
+            tails.extend([bs] * (num_blocks - 1) + [length - (num_blocks - 1) * bs])
+        mask = None
+        if min(tails) < bs:
+            valid = torch.tensor(tails, device=self.device).unsqueeze(1)
+            offsets = torch.arange(bs, device=self.device).unsqueeze(0)
+            mask = torch.zeros(len(tails), bs, device=self.device, dtype=self.kv_cache.k.dtype)
+            mask.masked_fill_(offsets >= valid, float("-inf"))
+            mask = mask.view(len(tails), 1, 1, bs)
+        return DecodeLayout(block_ids=torch.tensor(block_ids, device=self.device),
+                            owner=torch.tensor(owner, device=self.device), mask=mask,
+                            num_seqs=len(tables))

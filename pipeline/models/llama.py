@@ -1,0 +1,219 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over packed tokens.
+
+Inputs are a flat list of tokens from many sequences (no padding) with their
+positions; attention reads and writes the paged KV cache through `AttentionMetadata`.
+Q/K/V and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(slots=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {cfg['hidden_act']!r} (only silu)")
+        num_heads = cfg["num_attention_heads"]
+        # transformers >= 5 nests rope settings in rope_parameters; 4.x has rope_theta/rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = cfg.get("attention_bias", False)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embeddings with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        freqs = torch.outer(torch.arange(args.max_position_embeddings, dtype=torch.float64), rope_inv_freq(args))
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)   # [max_pos, head_dim/2]
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)   # [tokens, 1, head_dim/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.scale = args.head_dim ** -0.5
+        self.k_cache = self.v_cache = None   # bound by ModelRunner once the pool exists
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)       # [tokens, heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)    # [tokens, kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, positions, rotary, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)                     # [tokens, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint names of the separate projections -> (our fused parameter, which slice)
+    fused_weights = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after moving off the meta device,
+        which unties parameters)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [tokens] -> hidden states [tokens, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()                   # [rows, vocab]
+
+    def fused_slice(self, name: str, index: int) -> tuple[int, int]:
+        """Row range of the `index`-th part of a fused projection weight."""
+        a = self.args
+        if name == "qkv_proj":
+            sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        else:
+            sizes = [a.intermediate_size, a.intermediate_size]
+        start = sum(sizes[:index])
+        return start, start + sizes[index]

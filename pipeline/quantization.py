@@ -1,0 +1,42 @@
+"""Weight quantization by module swap: bitsandbytes int8 (LLM.int8) or nf4.
+
+The decoder's linear layers are replaced by bitsandbytes modules holding quantized
+weights; embeddings, norms and the (often tied) LM head stay in the model dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    if mode == "none":
+        return model
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise RuntimeError(f"quantization {mode!r} needs bitsandbytes: pip install bitsandbytes") from e
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in QUANTIZED_LAYERS and isinstance(child, nn.Linear):
+                setattr(parent, name, _quantized_linear(bnb, child, mode, device, compute_dtype))
+    return model
+
+
+def _quantized_linear(bnb, linear: nn.Linear, mode: str, device, compute_dtype) -> nn.Module:
+    has_bias = linear.bias is not None
+    weight = linear.weight.data.to(torch.float16 if device.type == "cuda" else torch.float32)
+    if mode == "int8":
+        # threshold=0 keeps every column in int8 (no fp16 outlier path): smallest and fastest.
+        q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
+                                has_fp16_weights=False, threshold=0.0)
+        q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
+                              quant_type="nf4", compute_dtype=compute_dtype)
+        q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+    if has_bias:
+        q.bias = nn.Parameter(linear.bias.data.to(compute_dtype), requires_grad=False)
+    return q.to(device)  # moving the parameters is what quantizes them

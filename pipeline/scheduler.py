@@ -1,0 +1,119 @@
+"""Continuous batching: decides which tokens of which sequences run in the next step.
+
+Torch-free. Every step gives each running sequence (oldest first) the tokens it still
+needs, within the step's token budget, then admits waiting sequences while blocks,
+budget and the sequence limit allow. A long prompt therefore runs in chunks beside
+other sequences' decodes. When the KV cache runs out of blocks, the newest running
+sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pipeline.block_manager import BlockManager
+from pipeline.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence computes this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # A sequence can never grow past what the whole cache holds.
+        self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def admission_error(self, seq: Sequence) -> str | None:
+        """Why `seq` can never run (its prompt cannot fit), or None."""
+        n = seq.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty after tokenisation"
+        if n >= self.max_model_len:
+            return (f"the prompt has {n} tokens but the maximum model length is {self.max_model_len} "
+                    f"tokens (prompt plus at least one output token)")
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        seqs: list[Sequence] = []
+        num_new_tokens: list[int] = []
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        queue = deque(self.running)
+        while queue and budget > 0:
+            seq = queue.popleft()
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                preempted = True
+                victim = queue.pop() if queue else seq  # the newest not yet scheduled
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+                seqs.append(seq)
+                num_new_tokens.append(n)
+                budget -= n
+
+        # Admit new work only when nothing had to be preempted: otherwise it would
+        # take the blocks the preempted sequences are waiting for.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_new_tokens.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, num_new_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence at once and return its blocks (finished or cancelled)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished sequence (cancellation); returns them."""
+        dropped = list(self.running) + list(self.waiting)
+        for seq in dropped:
+            self.finish(seq)
+        return dropped

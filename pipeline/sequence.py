@@ -1,0 +1,69 @@
+"""A request's state while the engine works on it."""
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+
+from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Tokens of one request plus how far the KV cache has caught up with them.
+
+    There are no separate prefill and decode phases: each step computes some of the
+    tokens not yet in the cache (`num_computed_tokens` < `num_tokens`). A prompt is
+    caught up in chunks; a decoding sequence is one token behind. Preemption
+    (recompute) simply resets `num_computed_tokens` to 0.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.detokenizer = detokenizer
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.generator = None  # a torch.Generator when params.seed is set (see sampler)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
