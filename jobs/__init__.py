@@ -1,0 +1,1 @@
+"""Job inputs and outputs: validating and sharding request files, OpenAI Batch API shapes."""

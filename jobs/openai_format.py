@@ -1,0 +1,170 @@
+"""OpenAI Batch API shapes: batch output lines built from result rows, and the Batch object.
+
+Pure functions over plain dicts (result rows of docs/contracts.md, job dicts from the
+ledger); only write_openai_files touches the file system. The shapes match the types of
+the `openai` package (Batch, ChatCompletion, Completion), which the tests validate against.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import time
+from datetime import datetime, timezone
+from typing import Iterable
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# Batch.endpoint is a plain str in the openai types, so any value validates. A pipeline-format
+# job has no OpenAI endpoint; it is reported as /v1/completions, the generic text endpoint.
+PIPELINE_ENDPOINT = COMPLETIONS
+
+# Our job statuses onto Batch.status. OpenAI has no "queued": a validated batch waiting for
+# capacity is reported "in_progress" there, so ours is too. The rest exist in both.
+_STATUS = {
+    "validating": "validating", "queued": "in_progress", "in_progress": "in_progress",
+    "finalizing": "finalizing", "completed": "completed", "failed": "failed",
+    "cancelling": "cancelling", "cancelled": "cancelled", "expired": "expired",
+}
+_FINISHED = {"completed", "failed", "cancelled", "expired"}
+_ERROR_CODES = {"error": "request_failed", "cancelled": "batch_cancelled"}
+_LINE_ERROR = re.compile(r"line (\d+): (.*)")
+
+
+def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
+    """The batch output line of one result row: a response body, or an error for failed rows.
+
+    Ids are hashes of the row's id and outcome, so exporting the same results twice gives
+    the same file.
+    """
+    finish = row["finish_reason"]
+    digest = hashlib.sha256(json.dumps(
+        [row["id"], row.get("output"), row.get("error"), finish], ensure_ascii=False).encode()).hexdigest()
+    line = {"id": f"batch_req_{digest[:32]}", "custom_id": row["id"]}
+    if finish in _ERROR_CODES:
+        message = row.get("error") or f"the request was {finish}"
+        return {**line, "response": None, "error": {"code": _ERROR_CODES[finish], "message": message}}
+    if finish not in ("stop", "length"):
+        raise ValueError(f"row {row['id']!r}: unknown finish_reason {finish!r}")
+    body = _body(row, digest, endpoint=endpoint, model=model, created=created)
+    return {**line, "response": {"status_code": 200, "request_id": digest[32:64], "body": body}, "error": None}
+
+
+def _body(row: dict, digest: str, *, endpoint: str, model: str, created: int) -> dict:
+    usage = {"prompt_tokens": int(row["prompt_tokens"]), "completion_tokens": int(row["output_tokens"]),
+             "total_tokens": int(row["prompt_tokens"]) + int(row["output_tokens"])}
+    text = row["output"] or ""
+    choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+    if endpoint == CHAT:
+        choice["message"] = {"role": "assistant", "content": text}
+        return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,
+                "model": model, "choices": [choice], "usage": usage}
+    if endpoint == COMPLETIONS:
+        choice["text"] = text
+        return {"id": f"cmpl-{digest[:29]}", "object": "text_completion", "created": created,
+                "model": model, "choices": [choice], "usage": usage}
+    raise ValueError(f"unknown endpoint {endpoint!r} (expected {CHAT} or {COMPLETIONS})")
+
+
+def is_error_line(line: dict) -> bool:
+    """Whether a batch output line belongs in the error file."""
+    return line.get("error") is not None
+
+
+def write_openai_files(rows: Iterable[dict], output_path, error_path, *,
+                       endpoint: str, model: str, created: int) -> tuple[int, int]:
+    """Stream result rows into the batch output file (successes) and error file (failures).
+
+    Both are written under temporary names and renamed at the end, so a reader never sees
+    half a file. Returns (successes, errors).
+    """
+    tmp_out, tmp_err = f"{output_path}.tmp", f"{error_path}.tmp"
+    counts = [0, 0]
+    try:
+        with open(tmp_out, "w", encoding="utf-8") as out, open(tmp_err, "w", encoding="utf-8") as err:
+            for row in rows:
+                line = output_line(row, endpoint=endpoint, model=model, created=created)
+                failed = is_error_line(line)
+                (err if failed else out).write(json.dumps(line, ensure_ascii=False) + "\n")
+                counts[failed] += 1
+        os.replace(tmp_out, output_path)
+        os.replace(tmp_err, error_path)
+    finally:
+        for tmp in (tmp_out, tmp_err):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return counts[0], counts[1]
+
+
+def batch_object(job: dict, *, now: float | None = None) -> dict:
+    """The OpenAI `Batch` object of a job (see the module's status mapping).
+
+    A job whose expires_at has passed (at `now`, default the current time) and that is not
+    finished is reported "expired". Naive datetimes are taken as UTC.
+    """
+    now = time.time() if now is None else now
+    if job["status"] not in _STATUS:
+        raise ValueError(f"job {job['id']}: unknown status {job['status']!r}")
+    status = _STATUS[job["status"]]
+    expires_at = _epoch(job.get("expires_at"))
+    expired_at = _epoch(job.get("expired_at"))
+    if status not in _FINISHED and expires_at is not None and expires_at <= now:
+        status, expired_at = "expired", expires_at
+    elif status == "expired" and expired_at is None:
+        expired_at = expires_at
+    finished = _epoch(job.get("finished_at"))
+    input_tokens, output_tokens = job.get("prompt_tokens") or 0, job.get("output_tokens") or 0
+    return {
+        "id": job["id"],
+        "object": "batch",
+        "endpoint": job.get("endpoint") or PIPELINE_ENDPOINT,
+        "model": job.get("model"),
+        "status": status,
+        "input_file_id": str(job["input_path"]),
+        "output_file_id": str(job["results_path"]) if job.get("results_path") else None,
+        "error_file_id": None,
+        "completion_window": job.get("completion_window") or "24h",
+        "created_at": _epoch(job["created_at"]),
+        "in_progress_at": _epoch(job.get("started_at")),
+        "finalizing_at": _epoch(job.get("finalizing_at")),
+        "completed_at": finished if status == "completed" else None,
+        "failed_at": _epoch(job.get("failed_at")) or (finished if status == "failed" else None),
+        "cancelling_at": _epoch(job.get("cancelling_at")),
+        "cancelled_at": _epoch(job.get("cancelled_at")) or (finished if status == "cancelled" else None),
+        "expires_at": expires_at,
+        "expired_at": expired_at,
+        "request_counts": {"total": job.get("total") or 0, "completed": job.get("completed") or 0,
+                           "failed": job.get("failed") or 0},
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                  "total_tokens": input_tokens + output_tokens,
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+        "errors": _errors(job.get("error")),
+        "metadata": job.get("metadata"),
+    }
+
+
+def _errors(error: str | None) -> dict | None:
+    """A job's error text as Batch.errors; "line N: ..." lines (from validation) keep their line."""
+    if not error:
+        return None
+    data = []
+    for text in error.splitlines():
+        if m := _LINE_ERROR.fullmatch(text):
+            data.append({"code": "invalid_request", "line": int(m[1]), "message": m[2]})
+        elif text.strip():
+            data.append({"code": "batch_failed", "message": text})
+    return {"object": "list", "data": data}
+
+
+def _epoch(value) -> int | None:
+    """Integer Unix seconds of a datetime (naive = UTC) or a number; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return int(value.timestamp())
+    return int(value)

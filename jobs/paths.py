@@ -1,0 +1,98 @@
+"""Where things live under the data root (see docs/contracts.md), and the ledger's URL.
+
+Job ids are the only user-visible strings that become path components, so they are
+checked against a strict pattern and every derived path is verified to stay under root.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+_JOB_ID = re.compile(r"job_[0-9a-f]{16}")
+
+
+def data_root() -> Path:
+    """The data root: $PIPELINE_DATA_DIR, default ./pipeline-data, as an absolute path."""
+    return Path(os.environ.get("PIPELINE_DATA_DIR") or "./pipeline-data").resolve()
+
+
+def default_database_url(root: Path | str | None = None) -> str:
+    """The SQLite ledger inside the data root (the default root when None)."""
+    root = Path(root).resolve() if root is not None else data_root()
+    return f"sqlite:///{(root / 'ledger.sqlite').as_posix()}"
+
+
+def database_url() -> str:
+    """$PIPELINE_DATABASE_URL, or the SQLite ledger under the data root."""
+    return os.environ.get("PIPELINE_DATABASE_URL") or default_database_url()
+
+
+def new_job_id() -> str:
+    """A fresh job id: ``job_`` + 16 random hex chars."""
+    return "job_" + secrets.token_hex(8)
+
+
+def check_job_id(job_id: str) -> str:
+    """Return job_id unchanged, or raise ValueError if it is not a well-formed job id."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise ValueError(f"invalid job id {job_id!r} (expected job_ + 16 lowercase hex chars)")
+    return job_id
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """The files of one job under ``<root>/jobs/<job_id>/``."""
+
+    root: Path
+    job_id: str
+
+    def __post_init__(self) -> None:
+        check_job_id(self.job_id)
+        object.__setattr__(self, "root", Path(self.root).resolve())
+
+    def _under_root(self, path: Path) -> Path:
+        # Defence in depth: the id check already rules out traversal, this rules out symlinks too.
+        if not path.resolve().is_relative_to(self.root):
+            raise ValueError(f"{path} escapes the data root {self.root}")
+        return path
+
+    @property
+    def dir(self) -> Path:
+        return self._under_root(self.root / "jobs" / self.job_id)
+
+    @property
+    def input_dir(self) -> Path:
+        return self._under_root(self.dir / "input")
+
+    @property
+    def results_dir(self) -> Path:
+        return self._under_root(self.dir / "results")
+
+    @property
+    def tmp_dir(self) -> Path:
+        """Uncommitted attempts; the leading underscore hides it from pyarrow/DuckDB globs."""
+        return self._under_root(self.results_dir / "_tmp")
+
+    @property
+    def stats_file(self) -> Path:
+        return self._under_root(self.dir / "stats.parquet")
+
+    def input_shard(self, index: int) -> Path:
+        return self._under_root(self.input_dir / f"shard-{_index(index):05d}.jsonl")
+
+    def result_shard(self, index: int) -> Path:
+        return self._under_root(self.results_dir / f"shard-{_index(index):05d}.parquet")
+
+    def tmp_result(self, index: int, attempt: int) -> Path:
+        """Attempt numbers are unique per shard (fencing tokens), so this name is never shared."""
+        return self._under_root(self.tmp_dir / f"shard-{_index(index):05d}.attempt-{_index(attempt)}.parquet")
+
+
+def _index(value: int) -> int:
+    # Reject bools and negatives: they would format into surprising file names.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative int, got {value!r}")
+    return value

@@ -1,0 +1,78 @@
+"""Job statistics from the committed results (same figures as the ledger's stats columns)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from jobs.results import read_results
+
+_INT_KEYS = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens")
+_FLOAT_KEYS = ("wall_seconds", "output_tok_s", "total_tok_s",
+               "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95")
+STATS_SCHEMA = pa.schema([("job_id", pa.string())]
+                         + [(k, pa.int64()) for k in _INT_KEYS]
+                         + [(k, pa.float64()) for k in _FLOAT_KEYS])
+
+
+def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
+    """Counts, token totals, throughput and latency percentiles of a job's results.
+
+    total_requests counts result rows; completed are rows finished by "stop" or "length",
+    failed are "error" rows ("cancelled" rows count in the total only). Percentiles
+    (linear interpolation) are over completed rows, so that truncated cancelled requests
+    do not skew them; None when there are none. Throughputs are None unless wall_seconds > 0.
+    """
+    table = read_results(results_dir, columns=[
+        "prompt_tokens", "output_tokens", "finish_reason", "ttft_s", "latency_s"])
+    reason = table["finish_reason"]
+    ok = pc.fill_null(pc.is_in(reason, value_set=pa.array(["stop", "length"])), False)
+    prompt_tokens = _sum(table["prompt_tokens"])
+    output_tokens = _sum(table["output_tokens"])
+    latency = _percentiles(table["latency_s"].filter(ok), (50, 95, 99))
+    ttft = _percentiles(table["ttft_s"].filter(ok), (50, 95))
+    return {
+        "total_requests": table.num_rows,
+        "completed_requests": pc.sum(ok).as_py() or 0,
+        "failed_requests": pc.sum(pc.equal(reason, "error")).as_py() or 0,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_seconds": float(wall_seconds),
+        "output_tok_s": _per_second(output_tokens, wall_seconds),
+        "total_tok_s": _per_second(prompt_tokens + output_tokens, wall_seconds),
+        "latency_p50": latency[0], "latency_p95": latency[1], "latency_p99": latency[2],
+        "ttft_p50": ttft[0], "ttft_p95": ttft[1],
+    }
+
+
+def write_stats(stats: dict, job_id: str, stats_file: str | os.PathLike) -> None:
+    """Write stats as a one-row Parquet file, atomically (tmp + rename)."""
+    row = {"job_id": job_id, **{k: stats.get(k) for k in _INT_KEYS + _FLOAT_KEYS}}
+    table = pa.Table.from_pylist([row], schema=STATS_SCHEMA)
+    stats_file = Path(stats_file)
+    stats_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = stats_file.with_name(stats_file.name + ".tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, stats_file)
+
+
+def _sum(column: pa.ChunkedArray) -> int:
+    return int(pc.sum(column).as_py() or 0)
+
+
+def _per_second(n: int, wall_seconds: float) -> float | None:
+    return n / wall_seconds if wall_seconds and wall_seconds > 0 else None
+
+
+def _percentiles(column: pa.ChunkedArray, qs: tuple[int, ...]) -> list[float | None]:
+    values = column.drop_null().to_numpy()
+    if values.size == 0:
+        return [None] * len(qs)
+    return [float(v) for v in np.percentile(values, qs)]

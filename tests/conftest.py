@@ -1,0 +1,107 @@
+"""Shared fixtures.
+
+Database fixtures run each test on a real SQLite file and on a real, freshly created
+PostgreSQL database (127.0.0.1:5432, trust auth), both migrated with jobs.ledger.upgrade.
+The `ledger` fixture shadows the module name, so tests import from jobs.ledger directly.
+"""
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+
+from jobs.ledger import make_engine, session_factory, upgrade
+
+PG_HOST, PG_PORT, PG_ADMIN_DB = "127.0.0.1", 5432, "test"
+PG_USERS = ("postgres", "root")
+PG_START_HINT = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+
+
+@pytest.fixture
+def data_root(tmp_path, monkeypatch):
+    """An empty data root, also exported as PIPELINE_DATA_DIR."""
+    root = tmp_path / "data"
+    root.mkdir()
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def pg_user() -> str:
+    """The first user that can log in to the local PostgreSQL; fails (never skips) if none."""
+    errors = []
+    for user in PG_USERS:
+        try:
+            with psycopg.connect(host=PG_HOST, port=PG_PORT, dbname=PG_ADMIN_DB, user=user, connect_timeout=5):
+                return user
+        except psycopg.OperationalError as exc:
+            errors.append(f"{user}: {exc}".strip())
+    pytest.fail(f"PostgreSQL at {PG_HOST}:{PG_PORT} is unreachable ({'; '.join(errors)}).\n"
+                f"Start it with: {PG_START_HINT}", pytrace=False)
+
+
+@pytest.fixture
+def pg_url(pg_user):
+    """URL of a fresh PostgreSQL database, dropped after the test."""
+    name = f"pipeline_test_{uuid.uuid4().hex[:12]}"
+    admin = dict(host=PG_HOST, port=PG_PORT, dbname=PG_ADMIN_DB, user=pg_user, autocommit=True)
+    with psycopg.connect(**admin) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://{pg_user}@{PG_HOST}:{PG_PORT}/{name}"
+    with psycopg.connect(**admin) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"], ids=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A migrated, empty ledger database on each backend."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'db' / 'ledger.sqlite'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def ledger(db_url):
+    """(engine, Session factory) for db_url; the engine is disposed after the test."""
+    engine = make_engine(db_url)
+    yield engine, session_factory(engine)
+    engine.dispose()
+
+
+# ---- models -------------------------------------------------------------------------------
+# The bundled SmolLM2-135M-Instruct (converted once into the user's cache) for the few
+# end-to-end checks with answers that can be checked, and a tiny randomly initialised
+# Llama that shares its tokenizer for everything else.
+
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir():
+    from pipeline.bundled import bundled_model_dir as convert_once
+    return convert_once()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, bundled_model_dir):
+    """A 2-layer random Llama in a Hugging Face directory (safetensors + the bundled tokenizer)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    vocab = LlamaConfig.from_pretrained(bundled_model_dir).vocab_size
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **TINY_LLAMA))
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (bundled_model_dir / name).exists():
+            shutil.copy(bundled_model_dir / name, out / name)
+    return out

@@ -1,0 +1,136 @@
+"""Result Parquet files and the data-root layout (jobs.results, jobs.paths)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from jobs import paths
+from jobs.paths import JobPaths, check_job_id, new_job_id
+from jobs.results import (
+    RESULT_SCHEMA, export_jsonl, iter_result_rows, read_results, remove_stale_tmp, write_shard_tmp,
+)
+
+JOB = "job_0123456789abcdef"
+
+
+def result_rows(shard, n, attempt=1):
+    return [{"id": f"req-{shard}-{i}", "output": f"héllo {i}", "prompt_tokens": 3, "output_tokens": i,
+             "finish_reason": "stop", "error": None, "queue_s": 0.1, "ttft_s": 0.2,
+             "latency_s": 1.0 + i, "shard": shard, "attempt": attempt} for i in range(n)]
+
+
+def commit(jp, shard, rows, attempt=1):
+    """Write then publish a shard the way ledger.commit_shard does (tmp + rename)."""
+    write_shard_tmp(rows, jp.tmp_result(shard, attempt))
+    os.replace(jp.tmp_result(shard, attempt), jp.result_shard(shard))
+
+
+@pytest.fixture
+def jp(data_root):
+    return JobPaths(data_root, JOB)
+
+
+def test_round_trip_keeps_rows_and_schema(jp):
+    rows = result_rows(0, 3) + [{"id": "bad", "finish_reason": "error", "error": "boom",
+                                 "latency_s": 0.0, "shard": 0, "attempt": 1}]
+    commit(jp, 0, rows)
+    table = read_results(jp.results_dir)
+    assert table.schema == RESULT_SCHEMA
+    expected = [{name: row.get(name) for name in RESULT_SCHEMA.names} for row in rows]
+    assert table.to_pylist() == expected
+    assert read_results(jp.results_dir, columns=["id"]).column_names == ["id"]
+
+
+def test_unknown_fields_are_refused(jp):
+    with pytest.raises(ValueError, match="typo"):
+        write_shard_tmp([{"id": "x", "typo": 1}], jp.tmp_result(0, 1))
+
+
+def test_no_results_gives_an_empty_table(jp):
+    assert read_results(jp.results_dir).schema == RESULT_SCHEMA
+    assert read_results(jp.results_dir).num_rows == 0
+    assert read_results(jp.results_dir, columns=["id", "shard"]).column_names == ["id", "shard"]
+    assert list(iter_result_rows(jp.results_dir)) == []
+
+
+def test_uncommitted_attempts_are_invisible(jp):
+    commit(jp, 0, result_rows(0, 2))
+    commit(jp, 1, result_rows(1, 3))
+    write_shard_tmp(result_rows(2, 5), jp.tmp_result(2, 1))  # a worker mid-shard
+    assert read_results(jp.results_dir).num_rows == 5
+    assert sum(1 for _ in iter_result_rows(jp.results_dir)) == 5
+    [(count,)] = duckdb.sql(f"SELECT count(*) FROM read_parquet('{jp.results_dir}/*.parquet')").fetchall()
+    assert count == 5
+
+
+def test_iter_and_export_jsonl(jp, tmp_path):
+    commit(jp, 0, result_rows(0, 2))
+    commit(jp, 1, result_rows(1, 1))
+    ids = [row["id"] for row in iter_result_rows(jp.results_dir)]
+    assert ids == ["req-0-0", "req-0-1", "req-1-0"]
+    out = tmp_path / "results.jsonl"
+    assert export_jsonl(jp.results_dir, out) == 3
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["id"] for r in lines] == ids and lines[0]["output"] == "héllo 0"
+    assert not out.with_name("results.jsonl.tmp").exists()
+
+
+def test_remove_stale_tmp(jp):
+    write_shard_tmp(result_rows(0, 1), jp.tmp_result(0, 1))
+    write_shard_tmp(result_rows(0, 1), jp.tmp_result(0, 2))
+    old = time.time() - 3600
+    os.utime(jp.tmp_result(0, 1), (old, old))
+    assert remove_stale_tmp(jp.tmp_dir, older_than_s=600) == 1
+    assert not jp.tmp_result(0, 1).exists() and jp.tmp_result(0, 2).exists()
+    assert remove_stale_tmp(jp.tmp_dir / "missing", older_than_s=0) == 0
+
+
+def test_job_ids():
+    job_id = new_job_id()
+    assert check_job_id(job_id) == job_id and job_id != new_job_id()
+    for bad in ["job_0123456789ABCDEF", "job_0123456789abcde", "job_0123456789abcdef0",
+                "job_0123456789abcdef\n", "../job_0123456789abcdef", "job_../../../etc/pw",
+                "", None, 7]:
+        with pytest.raises(ValueError):
+            check_job_id(bad)
+        with pytest.raises(ValueError):
+            JobPaths(Path("/data"), bad)
+
+
+def test_job_paths_follow_the_contract(data_root):
+    jp = JobPaths(data_root, JOB)
+    base = data_root / "jobs" / JOB
+    assert jp.dir == base and jp.stats_file == base / "stats.parquet"
+    assert jp.input_shard(0) == base / "input" / "shard-00000.jsonl"
+    assert jp.result_shard(12) == base / "results" / "shard-00012.parquet"
+    assert jp.tmp_dir == base / "results" / "_tmp"
+    assert jp.tmp_result(3, 2).parent == jp.tmp_dir
+    for bad in (-1, True, "1"):
+        with pytest.raises(ValueError):
+            jp.result_shard(bad)
+
+
+def test_job_paths_refuse_a_symlink_out_of_root(data_root, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (data_root / "jobs").mkdir()
+    (data_root / "jobs" / JOB).symlink_to(outside)
+    with pytest.raises(ValueError, match="escapes"):
+        JobPaths(data_root, JOB).results_dir
+
+
+def test_data_root_and_database_url(data_root, monkeypatch, tmp_path):
+    monkeypatch.delenv("PIPELINE_DATABASE_URL", raising=False)
+    assert paths.data_root() == data_root
+    assert paths.database_url() == f"sqlite:///{data_root}/ledger.sqlite"
+    assert paths.default_database_url(tmp_path) == f"sqlite:///{tmp_path}/ledger.sqlite"
+    monkeypatch.setenv("PIPELINE_DATABASE_URL", "postgresql+psycopg://u@h/db")
+    assert paths.database_url() == "postgresql+psycopg://u@h/db"
+    monkeypatch.delenv("PIPELINE_DATA_DIR")
+    monkeypatch.chdir(tmp_path)
+    assert paths.data_root() == tmp_path.resolve() / "pipeline-data"
