@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Measure each quantization mode on this machine: weight memory, throughput, quality.
+
+    python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16]
+
+Quality is perplexity of the model on a fixed English text (teacher forcing through our
+own model code) and greedy agreement with float32: the share of greedy tokens, over a
+few prompts, that equal float32's before the first difference.
+Prints one JSON line per mode; the README's table comes from this script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from pipeline.attention import AttentionMetadata, PrefillChunk
+from pipeline.bench import read_workload
+
+TEXT = ("The history of the city begins in the first century, when a small settlement grew up on the "
+        "banks of the river. Over the following centuries it became an important market town, and its "
+        "bridge carried most of the trade between the northern and southern parts of the country. In the "
+        "nineteenth century the arrival of the railway brought new industries, and the population grew "
+        "quickly as people moved from the countryside to work in the factories. Today the city is known "
+        "for its university, its museums and the old streets around the cathedral.")
+PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
+           "Explain what a CPU does in one paragraph.", "List three fruits that are red."]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen and t.device.type != "meta":
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for m in model.modules():  # bitsandbytes keeps quantization scales beside the weight
+        state = getattr(getattr(m, "weight", None), "quant_state", None)
+        if state is not None and getattr(state, "absmax", None) is not None:
+            total += state.absmax.numel() * state.absmax.element_size()
+        scb = getattr(getattr(m, "weight", None), "SCB", None)
+        if scb is not None:
+            total += scb.numel() * scb.element_size()
+    return total
+
+
+@torch.inference_mode()
+def perplexity(engine: Engine, text: str) -> float:
+    ids = engine.tokenizer.encode(text)
+    n = len(ids)
+    num_blocks = -(-n // engine.config.block_size)
+    slots = torch.arange(n)  # blocks 0.. are free in a fresh engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks >= num_blocks
+    meta = AttentionMetadata(slot_mapping=slots, decode=None, prefills=[PrefillChunk(0, n, None, None)])
+    hidden = engine.model(torch.tensor(ids), torch.arange(n), meta)
+    logits = engine.model.compute_logits(hidden[:-1])
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def greedy(engine: Engine, n_tokens: int) -> dict[str, list[int]]:
+    reqs = [Request(str(i), messages=[{"role": "user", "content": p}],
+                    params=SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    return {o.id: o.token_ids for o in engine.generate(reqs)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", required=True)
+    ap.add_argument("--n", type=int, default=16, help="requests of the workload to time")
+    a = ap.parse_args()
+    workload = read_workload(a.requests)[:a.n]
+    reference = None
+    for mode in ("none", "int8", "nf4"):
+        engine = Engine(EngineConfig(model=a.model, quantization=mode))
+        ppl = perplexity(engine, TEXT)
+        tokens = greedy(engine, 32)
+        if reference is None:
+            reference = tokens
+        agree = sum(next((i for i, (x, y) in enumerate(zip(tokens[k], reference[k])) if x != y), len(tokens[k]))
+                    for k in reference) / sum(len(v) for v in reference.values())
+        start = time.perf_counter()
+        outs = list(engine.generate(workload))
+        seconds = time.perf_counter() - start
+        total = sum(o.prompt_tokens + o.output_tokens for o in outs)
+        print(json.dumps({"quantization": mode, "weight_mib": round(weight_bytes(engine.model) / 2**20, 1),
+                          "total_tok_s": round(total / seconds, 1), "perplexity": round(ppl, 3),
+                          "greedy_agreement": round(agree, 3)}), flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main()
