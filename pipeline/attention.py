@@ -31,8 +31,16 @@ class PrefillChunk:
 class DecodeLayout:
     block_ids: torch.Tensor    # [n] every block read by a decoding sequence, sequence by sequence
     owner: torch.Tensor        # [n] which decoding sequence (row) each block belongs to
+    padded_index: torch.Tensor # [n] owner * max_blocks + the block's index within its sequence
     mask: torch.Tensor | None  # [n, 1, 1, block_size] additive: -inf past a sequence's length
     num_seqs: int
+    max_blocks: int
+
+    def per_seq(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """Per-block values x [n, ...] laid out as [seqs, max_blocks, ...] (gaps = fill),
+        ready for a reduction over dim 1. (index_add_/scatter_reduce_ are far slower on CPU.)"""
+        out = x.new_full((self.num_seqs * self.max_blocks, *x.shape[1:]), fill)
+        return out.index_copy_(0, self.padded_index, x).view(self.num_seqs, self.max_blocks, *x.shape[1:])
 
 
 @dataclass(slots=True)
@@ -90,21 +98,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    owner = layout.owner
     keys = k_cache.index_select(0, layout.block_ids)                   # [n, kv_heads, bs, head_dim]
     values = v_cache.index_select(0, layout.block_ids)
     # Grouped-query attention without repeating K/V: queries as [.., kv_heads, group, head_dim].
-    q_blocks = q.view(num_seqs, num_kv_heads, group, head_dim).index_select(0, owner)
+    q_blocks = q.view(num_seqs, num_kv_heads, group, head_dim).index_select(0, layout.owner)
     scores = torch.matmul(q_blocks, keys.transpose(-1, -2)).mul_(scale)  # [n, kv_heads, group, bs]
     if layout.mask is not None:
         scores.add_(layout.mask)
     # Softmax across all blocks of a sequence: shift by the sequence's max, sum per sequence.
-    block_max = scores.amax(dim=-1)                                    # [n, kv_heads, group]
-    seq_max = torch.full((num_seqs, num_kv_heads, group), float("-inf"), dtype=q.dtype, device=q.device)
-    seq_max.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(block_max), block_max, "amax")
-    probs = scores.sub_(seq_max.index_select(0, owner).unsqueeze(-1)).exp_()
-    denom = torch.zeros_like(seq_max).index_add_(0, owner, probs.sum(dim=-1))
+    seq_max = layout.per_seq(scores.amax(dim=-1), float("-inf")).amax(dim=1)   # [seqs, kv_heads, group]
+    probs = scores.sub_(seq_max.index_select(0, layout.owner).unsqueeze(-1)).exp_()
+    denom = layout.per_seq(probs.sum(dim=-1), 0.0).sum(dim=1)
     partial = torch.matmul(probs, values)                              # [n, kv_heads, group, head_dim]
-    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
-    out.index_add_(0, owner, partial).div_(denom.unsqueeze(-1))
+    out = layout.per_seq(partial, 0.0).sum(dim=1).div_(denom.unsqueeze(-1))
     return out.view(num_seqs, num_heads, head_dim)

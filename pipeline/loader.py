@@ -49,7 +49,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
         model = cls(args)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.model.rotary = RotaryEmbedding(args).to(device)
+    model.model.rotary = RotaryEmbedding(args).to(device)  # float32 table, computed (not loaded)
     _load_weights(model, model_dir)
     return model.eval(), args
 
@@ -75,7 +75,7 @@ def _load_weights(model, model_dir: Path) -> None:
                 if target not in params:
                     raise ValueError(f"unexpected weight {name!r} in {file.name}")
                 param = params[target]
-                tensor = f.get_tensor(name)
+                tensor = model.prepare_weight(name, f.get_tensor(name))
                 with torch.no_grad():
                     (param if rows is None else param[rows[0]:rows[1]]).copy_(tensor)
                 missing.discard(target)

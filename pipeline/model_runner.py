@@ -84,11 +84,14 @@ class ModelRunner:
         bs = self.block_size
         block_ids: list[int] = []
         owner: list[int] = []
+        padded_index: list[int] = []
         tails: list[int] = []    # valid tokens in each block
+        max_blocks = -(-max(lens) // bs)
         for row, (table, length) in enumerate(zip(tables, lens)):
             num_blocks = -(-length // bs)
             block_ids.extend(table[:num_blocks])
             owner.extend([row] * num_blocks)
+            padded_index.extend(range(row * max_blocks, row * max_blocks + num_blocks))
             tails.extend([bs] * (num_blocks - 1) + [length - (num_blocks - 1) * bs])
         mask = None
         if min(tails) < bs:
@@ -98,5 +101,6 @@ class ModelRunner:
             mask.masked_fill_(offsets >= valid, float("-inf"))
             mask = mask.view(len(tails), 1, 1, bs)
         return DecodeLayout(block_ids=torch.tensor(block_ids, device=self.device),
-                            owner=torch.tensor(owner, device=self.device), mask=mask,
-                            num_seqs=len(tables))
+                            owner=torch.tensor(owner, device=self.device),
+                            padded_index=torch.tensor(padded_index, device=self.device), mask=mask,
+                            num_seqs=len(tables), max_blocks=max_blocks)

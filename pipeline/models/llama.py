@@ -87,23 +87,39 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embeddings with a precomputed cos/sin table indexed by position."""
+    """Rotary embeddings as one complex multiplication per step.
+
+    Hugging Face checkpoints rotate dimension i with i + head_dim/2 ("rotate half").
+    The loader interleaves the q/k projection rows (`interleave_rotary_rows`) so that
+    those pairs sit side by side; a pair is then one complex number and the rotation a
+    single complex product instead of seven elementwise passes. q.k is unchanged
+    because queries and keys are permuted alike.
+    """
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         freqs = torch.outer(torch.arange(args.max_position_embeddings, dtype=torch.float64), rope_inv_freq(args))
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)   # [max_pos, head_dim/2]
+        # Real buffers (module.to(dtype) would discard a complex table's imaginary part).
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [max_pos, head_dim/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)   # [tokens, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.complex(self.cos[positions].float(), self.sin[positions].float()).unsqueeze(1)  # [tokens, 1, head_dim/2]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] with interleaved rotary pairs -> rotated copy."""
+    pairs = x.float() if x.dtype not in (torch.float32, torch.float64) else x
+    rotated = torch.view_as_real(torch.view_as_complex(pairs.unflatten(-1, (-1, 2))) * freqs)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def interleave_rotary_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder each head's rows (or entries) from [0..d/2-1, d/2..d-1] to [0, d/2, 1, d/2+1, ...]."""
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    heads = weight.reshape(-1, head_dim, *weight.shape[1:])
+    return heads[:, order].reshape(weight.shape)
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +129,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype != torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Three passes over x instead of F.rms_norm's six on CPU (it is decomposed there).
+        inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)     # [tokens, 1]
+        inv_rms = inv_rms.square_().div_(x.shape[-1]).add_(self.eps).rsqrt_()
+        return torch.mul(x, inv_rms).mul_(self.weight)
 
 
 class Attention(nn.Module):
@@ -129,14 +150,18 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.k_cache = self.v_cache = None   # bound by ModelRunner once the pool exists
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)       # [tokens, heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)    # [tokens, kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+    def forward(self, x, freqs: torch.Tensor, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Queries and keys are adjacent in the fused output: rotate them together.
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                        self.head_dim), freqs)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]    # [tokens, heads|kv_heads, head_dim]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, freqs), apply_rotary(k, freqs)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -161,8 +186,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, positions, rotary, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+    def forward(self, x, freqs, meta):
+        x = x + self.self_attn(self.input_layernorm(x), freqs, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -176,8 +201,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)                     # [tokens, hidden]
+        freqs = self.rotary(positions)                        # once per step, shared by all layers
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, meta)
+            x = layer(x, freqs, meta)
         return self.norm(x)
 
 
@@ -207,6 +233,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                   # [rows, vocab]
+
+    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Adapt a checkpoint tensor to our layout (see RotaryEmbedding)."""
+        if any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")):
+            return interleave_rotary_rows(tensor, self.args.head_dim)
+        return tensor
 
     def fused_slice(self, name: str, index: int) -> tuple[int, int]:
         """Row range of the `index`-th part of a fused projection weight."""
