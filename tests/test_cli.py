@@ -1,0 +1,167 @@
+"""The `pipeline` CLI in-process (click's CliRunner) on a real SQLite ledger and the tiny model."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from click.testing import CliRunner
+from openai.types import Batch
+
+from jobs.ledger import ensure_schema, get_job, get_shards, list_jobs, make_engine, session_factory
+from jobs.paths import JobPaths, default_database_url
+from jobs.results import read_results
+from jobs.submission import create_job_from_file
+from pipeline.cli import main
+
+FAST = ["--kv-cache-gib", "0.05"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def requests(n=5):
+    """n small requests mixing prompts and chat messages, and one far too long for the tiny model."""
+    rows = [{"id": f"r{i}", "prompt": f"Tell me about {i}", "max_tokens": 4, "temperature": 0} for i in range(n - 2)]
+    rows.append({"id": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "seed": 7})
+    rows.append({"id": "too-long", "prompt": "word " * 600, "max_tokens": 2})  # > 512 positions
+    return rows
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture
+def Session(data_root):
+    """Sessions on the data root's default SQLite ledger (migrated)."""
+    ensure_schema(default_database_url(data_root))
+    engine = make_engine(default_database_url(data_root))
+    yield session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def finished_job(runner, data_root, tiny_model_dir, tmp_path, Session):
+    """A job run to the end by `pipeline run` (5 requests, one of them failing, 2 shards)."""
+    src = write_jsonl(tmp_path / "in.jsonl", requests())
+    result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "3", *FAST])
+    assert result.exit_code == 0, result.output
+    with Session() as s:
+        (job,) = list_jobs(s)
+    return job.id, result
+
+
+def test_run_completes_with_one_row_per_request(finished_job, data_root, Session):
+    job_id, result = finished_job
+    assert job_id in result.stdout and "4 completed, 1 failed of 5" in result.stdout
+    jp = JobPaths(data_root, job_id)
+    table = read_results(jp.results_dir)
+    assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in requests())
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["too-long"]["finish_reason"] == "error" and rows["too-long"]["error"]
+    assert all(r["finish_reason"] in ("stop", "length") for k, r in rows.items() if k != "too-long")
+    assert {r["shard"] for r in rows.values()} == {0, 1} and {r["attempt"] for r in rows.values()} == {1}
+    with Session() as s:
+        job = get_job(s, job_id)
+        shards = get_shards(s, job_id)
+    assert (job.status, job.total_requests, job.completed_requests, job.failed_requests) == ("completed", 5, 4, 1)
+    assert job.output_tokens == sum(r["output_tokens"] for r in rows.values()) > 0
+    assert [sh.status for sh in shards] == ["completed", "completed"]
+    assert jp.stats_file.exists() and not list(jp.tmp_dir.glob("*"))
+
+
+def test_bad_file_reports_every_line_and_creates_nothing(runner, data_root, tmp_path, Session):
+    src = write_jsonl(tmp_path / "bad.jsonl", [
+        {"id": "a", "prompt": "ok"},
+        "{not json",
+        {"id": "a", "prompt": "duplicate id"},
+        {"id": "b", "prompt": "x", "temperature": -1},
+        {"id": "c"},
+        "[1, 2]",
+        {"id": "d", "prompt": "x", "colour": "blue"},
+    ])
+    result = runner.invoke(main, ["run", str(src), *FAST])
+    assert result.exit_code == 2, result.output
+    for line in (2, 3, 4, 5, 6, 7):
+        assert f"line {line}:" in result.stderr
+    assert "line 1:" not in result.stderr and "6 error(s)" in result.stderr
+    assert not (data_root / "jobs").exists()
+    with Session() as s:
+        assert list_jobs(s) == []
+
+
+def test_status_json_is_an_openai_batch(runner, finished_job):
+    job_id, _ = finished_job
+    result = runner.invoke(main, ["status", job_id, "--json"])
+    assert result.exit_code == 0, result.output
+    batch = Batch.model_validate(json.loads(result.stdout))
+    assert (batch.id, batch.status, batch.object) == (job_id, "completed", "batch")
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
+    assert batch.pipeline["shards"] == {"completed": 2} and batch.pipeline["output_tok_s"] > 0
+    listing = json.loads(runner.invoke(main, ["status", "--json"]).stdout)
+    assert [Batch.model_validate(b).id for b in listing["data"]] == [job_id]
+    for args in (["status", job_id], ["status"], ["list"], ["results", job_id]):
+        result = runner.invoke(main, args)
+        assert result.exit_code == 0 and job_id in result.stdout, (args, result.output)
+
+
+def test_results_export(runner, finished_job, tmp_path):
+    job_id, _ = finished_job
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(main, ["results", job_id, "--export", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in requests())
+    result = runner.invoke(main, ["results", job_id, "--format", "openai", "--output-file", str(tmp_path / "ok.jsonl"),
+                                  "--error-file", str(tmp_path / "err.jsonl")])
+    assert result.exit_code == 0, result.output
+    ok = [json.loads(line)["custom_id"] for line in (tmp_path / "ok.jsonl").read_text().splitlines()]
+    err = [json.loads(line)["custom_id"] for line in (tmp_path / "err.jsonl").read_text().splitlines()]
+    assert len(ok) == 4 and err == ["too-long"]
+
+
+@pytest.mark.parametrize("command", ["status", "results", "cancel"])
+def test_unknown_job_exits_2(runner, data_root, command):
+    result = runner.invoke(main, [command, "job_0123456789abcdef"])
+    assert result.exit_code == 2 and "unknown job" in result.stderr
+
+
+def test_submit_with_redis_down_exits_3_and_creates_nothing(runner, data_root, tmp_path, Session):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    src = write_jsonl(tmp_path / "in.jsonl", requests())
+    result = runner.invoke(main, ["submit", str(src)], env={"PIPELINE_BROKER_URL": f"redis://127.0.0.1:{port}/0"})
+    assert result.exit_code == 3, result.output
+    assert "redis-server --daemonize yes" in result.stderr and "pipeline run" in result.stderr
+    assert result.stdout == ""
+    assert not (data_root / "jobs").exists()
+    with Session() as s:
+        assert list_jobs(s) == []
+
+
+def test_cancel_a_queued_job_finishes_it_at_once(runner, data_root, tmp_path, Session):
+    src = write_jsonl(tmp_path / "in.jsonl", requests())
+    job_id, sizes = create_job_from_file(Session, data_root, src, model="m", engine_options={}, shard_size=2)
+    assert sizes == [2, 2, 1]
+    result = runner.invoke(main, ["cancel", job_id])
+    assert result.exit_code == 0 and "cancelled" in result.stdout, result.output
+    with Session() as s:
+        assert get_job(s, job_id).status == "cancelled"
+        assert {sh.status for sh in get_shards(s, job_id)} == {"cancelled"}
+    assert JobPaths(data_root, job_id).stats_file.exists()
+    result = runner.invoke(main, ["cancel", job_id])
+    assert result.exit_code == 0, result.output  # cancelling twice is harmless
+
+
+def test_run_with_a_model_that_cannot_load_fails_the_job(runner, data_root, tmp_path, Session):
+    src = write_jsonl(tmp_path / "in.jsonl", requests(3))
+    result = runner.invoke(main, ["run", str(src), "--model", str(tmp_path / "no-such-model"), *FAST])
+    assert result.exit_code == 1 and "could not start" in result.stderr, result.output
+    with Session() as s:
+        (job,) = list_jobs(s)
+        assert job.status == "failed" and "could not start" in job.error

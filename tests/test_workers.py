@@ -1,0 +1,132 @@
+"""End to end through real Redis and a real Celery worker subprocess (`pipeline worker`),
+on SQLite and PostgreSQL ledgers: `pipeline submit --wait`, then the ledger and the results."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+import redis
+
+from jobs.ledger import get_job, get_shards, make_engine, session_factory, upgrade
+from jobs.paths import JobPaths, check_job_id
+from jobs.results import read_results
+
+BROKER_URL = "redis://127.0.0.1:6379/0"
+QUEUE = f"pipeline-test-{uuid.uuid4().hex[:8]}"  # this session's own queue: no stray messages cross
+WAIT_S = 180
+
+
+@pytest.fixture(scope="session", autouse=True)
+def drop_queue():
+    yield
+    # The queue and kombu's bindings of it.
+    redis.Redis.from_url(BROKER_URL).delete(QUEUE, f"_kombu.binding.{QUEUE}", f"_kombu.binding_permanent.{QUEUE}")
+
+
+def pipeline_env(data_root, db_url) -> dict:
+    return {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": db_url,
+            "PIPELINE_BROKER_URL": BROKER_URL, "PIPELINE_QUEUE": QUEUE}
+
+
+@contextlib.contextmanager
+def worker(env, log_path):
+    """A `pipeline worker` subprocess, always stopped afterwards (warm, then forced)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def submit_and_wait(env, src, *args) -> str:
+    """`pipeline submit --wait`; returns the job id it printed (its only stdout)."""
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "submit", str(src), "--wait", *args],
+                          env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    check_job_id(job_id)  # a well-formed job id and nothing else
+    return job_id
+
+
+def ledger_state(db_url, job_id):
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            return get_job(s, job_id), get_shards(s, job_id)
+    finally:
+        engine.dispose()
+
+
+def test_worker_runs_every_shard(db_url, data_root, tmp_path, tiny_model_dir):
+    ids = [f"q{i:02d}" for i in range(12)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"Item {i}", "max_tokens": 4}) + "\n" for i in ids))
+    env = pipeline_env(data_root, db_url)
+    with worker(env, tmp_path / "worker.log"):
+        job_id = submit_and_wait(env, src, "--model", str(tiny_model_dir), "--shard-size", "4",
+                                 "--kv-cache-gib", "0.05")
+    job, shards = ledger_state(db_url, job_id)
+    assert (job.status, job.total_requests, job.completed_requests, job.failed_requests) == ("completed", 12, 12, 0)
+    assert [(sh.status, sh.num_requests, sh.completed_requests) for sh in shards] == [("completed", 4, 4)] * 3
+    jp = JobPaths(data_root, job_id)
+    assert sorted(read_results(jp.results_dir)["id"].to_pylist()) == ids
+    assert not list(jp.tmp_dir.glob("*")) and jp.stats_file.exists()
+
+
+def test_bundled_model_answers_paris(data_root, tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    upgrade(db_url)
+    src = tmp_path / "in.jsonl"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    src.write_text(json.dumps({"id": "france", "messages": question, "temperature": 0, "max_tokens": 20}) + "\n")
+    env = pipeline_env(data_root, db_url)
+    with worker(env, tmp_path / "worker.log"):
+        job_id = submit_and_wait(env, src)
+    (row,) = read_results(JobPaths(data_root, job_id).results_dir).to_pylist()
+    assert row["finish_reason"] == "stop" and "Paris" in row["output"], row
+    assert ledger_state(db_url, job_id)[0].status == "completed"
+
+
+def test_a_crashing_shard_is_retried_then_recorded_as_errors(data_root, tmp_path):
+    """The model cannot load: each attempt crashes, Celery retries after the (short) lease,
+    and the last attempt writes error rows, so the job still ends."""
+    db_url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    upgrade(db_url)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "Hi", "max_tokens": 2}) + "\n" for i in range(3)))
+    env = {**pipeline_env(data_root, db_url), "PIPELINE_LEASE_SECONDS": "1", "PIPELINE_MAX_ATTEMPTS": "2"}
+    with worker(env, tmp_path / "worker.log"):
+        job_id = submit_and_wait(env, src, "--model", str(tmp_path / "missing-model"))
+    job, (shard,) = ledger_state(db_url, job_id)
+    assert (job.status, job.completed_requests, job.failed_requests) == ("completed", 0, 3)
+    assert (shard.status, shard.attempt) == ("failed", 2)
+    errors = read_results(JobPaths(data_root, job_id).results_dir)["error"].to_pylist()
+    assert len(errors) == 3 and all("failed 2 times" in e for e in errors)
+
+
+def test_the_app_takes_json_only_and_acks_late():
+    from workers.app import app
+
+    conf = app.conf
+    assert conf.accept_content == ["json"] and conf.task_serializer == conf.result_serializer == "json"
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.worker_prefetch_multiplier == 1
+    assert conf.broker_transport_options["visibility_timeout"] > 0 and conf.task_ignore_result
+
+
+def test_the_shard_runner_imports_neither_celery_nor_torch():
+    code = "import sys, workers.shard_runner; print(sorted({'celery', 'torch'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,191 @@
+"""Running one shard of a job: lease it, generate, write its results, commit, maybe finalize.
+
+Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
+comes from `engine_provider(options)`, so importing this module imports no torch either.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs import ledger
+from jobs.finalize import finalize_job
+from jobs.ledger import ShardStatus
+from jobs.paths import JobPaths
+from jobs.results import write_shard_tmp
+from jobs.spec import RequestSpec, read_shard
+from pipeline.request import Request, RequestOutput
+from pipeline.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.5
+_OK = ("stop", "length")
+
+
+def run_shard(
+    Session: sessionmaker[Session], root, job_id: str, index: int, *,
+    engine_provider: Callable[[dict], object], worker_name: str, lease_s: float = 60,
+    max_attempts: int = 3, on_result: Callable[[dict], None] | None = None,
+) -> str:
+    """Run shard `index` of `job_id`; returns its outcome.
+
+    "skipped": nothing to do (shard done or cancelled, job not live); "busy": running
+    under another attempt (a live lease, or a dead one with no attempts left, which is
+    a reaper's job); "lost": our lease was taken over
+    mid-run, nothing committed; "completed" / "cancelled" / "failed": committed so.
+    An exception (model load, engine crash) propagates with the shard still leased, so
+    it is retried once the lease expires; on the last allowed attempt the shard is
+    committed as "failed" with an error row per request instead, so the job can end.
+    on_result(row) is called for each result row as it is made (progress bars).
+    """
+    with Session() as s:
+        attempt = ledger.claim_shard(s, job_id, index, worker_name, lease_s, max_attempts)
+        shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
+        if attempt is None:
+            return "busy" if shard.status == ShardStatus.RUNNING else "skipped"
+        job = ledger.get_job(s, job_id)
+    paths = JobPaths(root, job_id)
+    specs = read_shard(paths.input_shard(index))
+    lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
+    try:
+        try:
+            rows, cancelled = _generate(Session, job_id, engine_provider(job.engine_options), specs,
+                                        index, attempt, lease, on_result)
+            status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED
+        except Exception as e:
+            if attempt - shard.releases < max_attempts:
+                raise
+            log.exception("shard %s/%d failed on its last attempt", job_id, index)
+            error = f"the shard failed {max_attempts} times; last error: {type(e).__name__}: {e}"
+            rows, status = _error_rows(specs, index, attempt, error), ShardStatus.FAILED
+        if lease.lost.is_set():
+            return "lost"
+        if not _commit(Session, paths, job_id, index, attempt, rows, status):
+            return "lost"
+    finally:
+        lease.stop()
+    finalize_job(Session, root, job_id)
+    return status
+
+
+def to_request(spec: RequestSpec) -> Request:
+    """The engine request of a shard line; ValueError if the engine rejects its settings."""
+    params = SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+        min_p=spec.min_p, repetition_penalty=spec.repetition_penalty, seed=spec.seed,
+        stop=list(spec.stop), ignore_eos=spec.ignore_eos)
+    return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params)
+
+
+def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
+    """Result rows in input order, and whether generation stopped because of a cancel."""
+    rows: dict[str, dict] = {}
+    requests = []
+    for spec in specs:
+        try:
+            requests.append(to_request(spec))
+        except ValueError as e:  # e.g. a sampling setting the engine rejects: this request fails alone
+            rows[spec.id] = _row(_error_output(spec.id, f"invalid request: {e}"), index, attempt)
+            _notify(on_result, rows[spec.id])
+    cancel = _CancelPoll(Session, job_id)
+    start = time.perf_counter()
+    for out in engine.generate(requests, should_stop=lambda: lease.lost.is_set() or cancel()):
+        rows[out.id] = _row(out, index, attempt)
+        _notify(on_result, rows[out.id])
+    # Whatever did not finish was dropped by should_stop: the cancel (or a lost lease, never committed).
+    waited = time.perf_counter() - start
+    for spec in specs:
+        if spec.id not in rows:
+            rows[spec.id] = _cancelled_row(spec.id, waited, index, attempt)
+            _notify(on_result, rows[spec.id])
+    return [rows[spec.id] for spec in specs], cancel.seen
+
+
+def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status) -> bool:
+    tmp = paths.tmp_result(index, attempt)
+    write_shard_tmp(rows, tmp)
+    ok = [r for r in rows if r["finish_reason"] in _OK]
+    with Session() as s:
+        return ledger.commit_shard(
+            s, job_id, index, attempt, completed=len(ok),
+            failed=sum(r["finish_reason"] == "error" for r in rows),
+            prompt_tokens=sum(r["prompt_tokens"] for r in rows),
+            output_tokens=sum(r["output_tokens"] for r in rows),
+            tmp_path=tmp, final_path=paths.result_shard(index), status=status)
+
+
+def _row(out: RequestOutput, index: int, attempt: int) -> dict:
+    return {"id": out.id, "output": out.text, "prompt_tokens": out.prompt_tokens,
+            "output_tokens": out.output_tokens, "finish_reason": out.finish_reason, "error": out.error,
+            "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
+            "shard": index, "attempt": attempt}
+
+
+def _cancelled_row(request_id: str, waited: float, index: int, attempt: int) -> dict:
+    # It waited from the shard's start until the cancel, and got nothing.
+    return {"id": request_id, "output": "", "prompt_tokens": 0, "output_tokens": 0,
+            "finish_reason": "cancelled", "error": None, "queue_s": waited, "ttft_s": None,
+            "latency_s": waited, "shard": index, "attempt": attempt}
+
+
+def _error_output(request_id: str, error: str) -> RequestOutput:
+    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason="error", error=error,
+                         prompt_tokens=0, output_tokens=0, queue_s=0.0, ttft_s=None, latency_s=0.0)
+
+
+def _error_rows(specs, index, attempt, error) -> list[dict]:
+    return [_row(_error_output(spec.id, error), index, attempt) for spec in specs]
+
+
+def _notify(on_result, row: dict) -> None:
+    if on_result is not None:
+        on_result(row)
+
+
+class _CancelPoll:
+    """should_stop for a cancel: asks the ledger at most every CANCEL_POLL_S seconds."""
+
+    def __init__(self, Session, job_id: str):
+        self.Session, self.job_id = Session, job_id
+        self.seen = False
+        self._next = 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if not self.seen and now >= self._next:
+            self._next = now + CANCEL_POLL_S
+            with self.Session() as s:
+                self.seen = ledger.is_cancelling(s, self.job_id)
+        return self.seen
+
+
+class _LeaseKeeper:
+    """A daemon thread renewing the shard's lease every lease_s / 3; `lost` is set once the
+    ledger says another attempt owns the shard."""
+
+    def __init__(self, Session, job_id: str, index: int, attempt: int, lease_s: float):
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(Session, job_id, index, attempt, lease_s),
+            name=f"lease-{job_id}-{index}", daemon=True)
+        self._thread.start()
+
+    def _run(self, Session, job_id, index, attempt, lease_s) -> None:
+        while not self._stop.wait(lease_s / 3):
+            try:
+                with Session() as s:
+                    if not ledger.renew_lease(s, job_id, index, attempt, lease_s):
+                        self.lost.set()
+                        return
+            except Exception:  # a database hiccup: the lease may still be ours, try again
+                log.warning("renewing the lease of %s/%d failed", job_id, index, exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
