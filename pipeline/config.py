@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "nf4")
 
 
@@ -15,7 +15,7 @@ class EngineConfig:
     the number of blocks is derived from it once, at start-up."""
     model: str | None = None
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"              # auto: cuda when a GPU is visible, else cpu
     quantization: str = "none"
     kv_cache_gib: float = 1.0
     block_size: int = 16

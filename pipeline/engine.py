@@ -28,9 +28,12 @@ from pipeline.sequence import Sequence
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.device == "cuda" and not torch.cuda.is_available():
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA GPU is available; use device 'cpu'")
-        self.device = torch.device(config.device)
+        self.device = torch.device(device)
         dtype = getattr(torch, config.dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -165,7 +168,8 @@ class Engine:
             seq.finish_reason = "length"
         else:
             return False
-        seq.detokenizer.flush()
+        if seq.detokenizer.flush():  # held-back text completed a stop string
+            seq.finish_reason = "stop"
         return True
 
 
