@@ -43,10 +43,14 @@ class IncrementalDetokenizer:
         self.text += delta
         return self._cut_at_stop(len(delta))
 
-    def flush(self) -> None:
-        """At the end, emit what was held back (an incomplete character stays as U+FFFD)."""
+    def flush(self) -> bool:
+        """At the end, emit what was held back (an incomplete character stays as U+FFFD);
+        returns True when that completed a stop string (the text is then cut before it)."""
         delta = self._emit(force=True)
+        if not delta:
+            return False
         self.text += delta
+        return self._cut_at_stop(len(delta))
 
     def _cut_at_stop(self, delta_len: int) -> bool:
         if not self.stop:

@@ -91,28 +91,35 @@ class Engine:
         Requests are pulled lazily, so a huge iterable is never held at once. A request
         that cannot run (tokeniser failure, prompt too long) yields an error result and
         never stops the others. When `should_stop()` turns true (checked between steps),
-        unfinished requests are dropped, their blocks freed, and generation ends.
+        unfinished requests are dropped, their blocks freed, and generation ends; the same
+        happens when the caller stops iterating early (closes the generator).
         """
         pending = iter(requests)
         lookahead = 2 * self.config.max_num_seqs
         exhausted = False
-        while True:
-            while not exhausted and len(self.scheduler.waiting) < lookahead:
-                request = next(pending, None)
-                if request is None:
-                    exhausted = True
-                    break
-                seq, error = self._admit(request)
-                if error is not None:
-                    yield error
-            if self.scheduler.num_unfinished == 0:
-                if exhausted:
+        try:
+            while True:
+                while not exhausted and len(self.scheduler.waiting) < lookahead:
+                    request = next(pending, None)
+                    if request is None:
+                        exhausted = True
+                        break
+                    seq, error = self._admit(request)
+                    if error is not None:
+                        yield error
+                if self.scheduler.num_unfinished == 0:
+                    if exhausted:
+                        return
+                    continue
+                if should_stop is not None and should_stop():
+                    self.scheduler.abort_all()
                     return
-                continue
-            if should_stop is not None and should_stop():
+                yield from self.step()
+        finally:
+            # A consumer that stops early (break, close(), an exception) must not leave its
+            # sequences behind, holding blocks and resurfacing in the next call.
+            if self.scheduler.num_unfinished:
                 self.scheduler.abort_all()
-                return
-            yield from self.step()
 
     def _admit(self, request: Request) -> tuple[Sequence | None, RequestOutput | None]:
         arrival = time.perf_counter()

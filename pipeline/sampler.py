@@ -16,8 +16,12 @@ class Sampler:
         self.device = device
         # Unseeded requests share one generator.
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        if seed is None:
+            self.generator.seed()  # non-deterministic; torch.seed() would reseed the global RNG
+        else:
+            self.generator.manual_seed(seed)
 
+    @torch.inference_mode()  # the logits are inference tensors; the penalty edits them in place
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [len(seqs), vocab] float32 -> one token id per sequence."""
         self._apply_repetition_penalty(logits, seqs)

@@ -1,0 +1,131 @@
+"""IncrementalDetokenizer with the real (SmolLM2, byte-level BPE) tokenizer."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def feed(detok: IncrementalDetokenizer, ids: list[int]) -> list[bool]:
+    """add_token for each id, stopping (as the engine does) at the first stop string."""
+    hits = []
+    for t in ids:
+        hits.append(detok.add_token(t))
+        if hits[-1]:
+            break
+    return hits
+
+
+TEXTS = [
+    " héllo 世界 🙂",
+    " 🙂🙂 日本語のテキスト",
+    "Hello world, this is a test",
+    "\n\n  two  spaces\tand a tab\n",
+    " naïve café – “quotes” ½ €",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_full_decode(tokenizer, text):
+    prompt_ids = tokenizer.encode("Say something:")
+    out_ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, [])
+    seen = []
+    for t in out_ids:
+        assert detok.add_token(t) is False
+        seen.append(detok.text)
+        assert REPLACEMENT_CHAR not in detok.text      # partial characters are held back
+    detok.flush()
+    assert detok.text == tokenizer.decode(out_ids, skip_special_tokens=True) == text
+    assert all(text.startswith(s) for s in seen)       # text only ever grows
+
+
+def test_multibyte_characters_really_span_tokens(tokenizer):
+    # Guard for the test above: the CJK text and emoji are split into byte tokens that
+    # cannot be decoded on their own, so the hold-back logic is exercised.
+    ids = tokenizer.encode(" 🙂🙂 日本語のテキスト")
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in ids)
+
+
+def test_first_word_keeps_its_leading_space(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"), [])
+    feed(detok, tokenizer.encode(" world"))
+    assert detok.text == " world"
+
+
+def test_special_tokens_are_skipped(tokenizer):
+    ids = tokenizer.encode("Hi") + [tokenizer.eos_token_id] + tokenizer.encode(" there")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), [])
+    feed(detok, ids)
+    detok.flush()
+    assert detok.text == "Hi there"
+
+
+def test_flush_emits_a_trailing_incomplete_character(tokenizer):
+    ids = tokenizer.encode(" 世界")
+    partial = ids[:-1]
+    assert tokenizer.decode(partial).endswith(REPLACEMENT_CHAR)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), [])
+    feed(detok, partial)
+    assert REPLACEMENT_CHAR not in detok.text
+    detok.flush()
+    assert detok.text.endswith(REPLACEMENT_CHAR)
+    assert detok.text.startswith(" 世")
+
+
+def test_stop_string_straddling_tokens_cuts_the_text(tokenizer):
+    ids = tokenizer.encode("Hello world, this is a test")
+    assert [tokenizer.decode([t]) for t in ids[:2]] == ["Hello", " world"]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["o wor"])
+    assert detok.add_token(ids[0]) is False
+    assert detok.text == "Hello"
+    assert detok.add_token(ids[1]) is True        # "o wor" spans "Hello" and " world"
+    assert detok.text == "Hell"
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    ids = tokenizer.encode("Hello world, this is a test")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["world", "o w"])
+    assert feed(detok, ids[:2]) == [False, True]
+    assert detok.text == "Hell"
+
+
+def test_stop_string_spanning_many_tokens(tokenizer):
+    ids = tokenizer.encode("Hello world, this is a test")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["world, this is"])
+    assert feed(detok, ids) == [False] * 4 + [True]   # found when " is" arrives
+    assert detok.text == "Hello "
+
+
+def test_stop_string_made_of_multibyte_characters(tokenizer):
+    ids = tokenizer.encode(" héllo 世界 🙂")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["界 🙂"])
+    assert feed(detok, ids) == [False] * (len(ids) - 1) + [True]
+    assert detok.text == " héllo 世"
+
+
+def test_stop_string_in_the_prompt_does_not_stop(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello world"), ["world"])
+    assert feed(detok, tokenizer.encode(" and more")) == [False, False]
+    assert detok.text == " and more"
+
+
+def test_stop_string_completed_by_held_back_text_is_cut_at_flush(tokenizer):
+    # Token 17097 is a space plus the first byte of a CJK character: its text is held
+    # back (it ends in an incomplete character) until flush() forces it out. A stop
+    # string completed by that space must still be cut from the final text.
+    ids = tokenizer.encode(" 🙂🙂 日本語")
+    space_and_partial = next(t for t in ids if tokenizer.decode([t]).startswith(" ")
+                             and tokenizer.decode([t]).endswith(REPLACEMENT_CHAR)
+                             and len(tokenizer.decode([t])) == 2)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["b "])
+    assert feed(detok, tokenizer.encode("ab") + [space_and_partial]) == [False] * (len(tokenizer.encode("ab")) + 1)
+    assert detok.text == "ab"                     # the space is still held back
+    assert detok.flush() is True
+    assert detok.text == "a"

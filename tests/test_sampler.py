@@ -1,0 +1,161 @@
+"""Sampler: greedy, temperature, top-k/top-p/min-p filtering, repetition penalty, seeds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.sampler import Sampler
+from pipeline.sampling_params import SamplingParams
+from pipeline.sequence import Sequence
+
+CPU = torch.device("cpu")
+
+
+def make_seq(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Sequence:
+    seq = Sequence("s", list(prompt), params, IncrementalDetokenizer(None, list(prompt), []))
+    seq.output_token_ids = list(output)
+    return seq
+
+
+def probs_of(logits: list[list[float]], *params: SamplingParams) -> torch.Tensor:
+    return Sampler._filtered_probs(torch.tensor(logits), list(params))
+
+
+def logits_for(probs: list[float]) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [5.0, 1.0, 2.0, 4.9], [-3.0, -2.0, -1.0, -1.5]])
+    seqs = [make_seq(SamplingParams(temperature=0)) for _ in range(3)]
+    assert Sampler(CPU, seed=0)(logits, seqs) == [1, 0, 2]
+
+
+def test_greedy_rows_beside_sampled_rows():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [0.0, 0.0, 50.0, 0.0], [9.0, 1.0, 2.0, 0.0]])
+    seqs = [make_seq(SamplingParams(temperature=0)), make_seq(SamplingParams(temperature=1.0, seed=1)),
+            make_seq(SamplingParams(temperature=0))]
+    assert Sampler(CPU, seed=0)(logits, seqs) == [1, 2, 0]
+
+
+def test_temperature_scales_logits():
+    logits = [[0.0, 1.0, 2.0, 3.0]]
+    for t in (0.5, 1.0, 2.0):
+        expected = torch.softmax(torch.tensor(logits) / t, dim=-1)
+        assert torch.allclose(probs_of(logits, SamplingParams(temperature=t)), expected, atol=1e-6)
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = [[0.0, 3.0, 1.0, 2.0, -1.0]]
+    probs = probs_of(logits, SamplingParams(top_k=2))[0]
+    expected = torch.softmax(torch.tensor([3.0, 2.0]), dim=-1)
+    assert probs[[0, 2, 4]].tolist() == [0.0, 0.0, 0.0]
+    assert torch.allclose(probs[[1, 3]], expected, atol=1e-6)
+    # top_k <= 0 and top_k >= vocab disable the filter.
+    full = torch.softmax(torch.tensor(logits), dim=-1)
+    for k in (0, -1, 5, 100):
+        assert torch.allclose(probs_of(logits, SamplingParams(top_k=k)), full, atol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = [logits_for([0.15, 0.5, 0.05, 0.3])]
+    probs = probs_of(logits, SamplingParams(top_p=0.75))[0]           # 0.5 + 0.3 reach 0.75
+    assert torch.allclose(probs, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=1e-6)
+    probs = probs_of(logits, SamplingParams(top_p=0.85))[0]           # needs 0.15 as well
+    assert torch.allclose(probs, torch.tensor([0.15, 0.5, 0.0, 0.3]) / 0.95, atol=1e-6)
+    probs = probs_of(logits, SamplingParams(top_p=0.1))[0]            # the top token always stays
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    logits = [logits_for([0.15, 0.5, 0.05, 0.3])]
+    probs = probs_of(logits, SamplingParams(min_p=0.2))[0]            # threshold 0.1
+    assert torch.allclose(probs, torch.tensor([0.15, 0.5, 0.0, 0.3]) / 0.95, atol=1e-6)
+    probs = probs_of(logits, SamplingParams(min_p=0.5))[0]            # threshold 0.25
+    assert torch.allclose(probs, torch.tensor([0.0, 0.5, 0.0, 0.3]) / 0.8, atol=1e-6)
+
+
+def test_filters_apply_per_row():
+    logits = [logits_for([0.15, 0.5, 0.05, 0.3])] * 3
+    probs = probs_of(logits, SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_p=0.75))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert torch.allclose(probs[1], torch.tensor([0.15, 0.5, 0.05, 0.3]), atol=1e-6)
+    assert torch.allclose(probs[2], torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=1e-6)
+
+
+def test_sampling_follows_the_filtered_distribution():
+    sampler = Sampler(CPU, seed=0)
+    seq = make_seq(SamplingParams(top_k=2, seed=3))
+    logits = torch.tensor([[0.0, math.log(3.0), -5.0, 0.0 + 1e-3]])
+    draws = [sampler(logits.clone(), [seq])[0] for _ in range(400)]
+    assert set(draws) == {1, 3}                   # top_k=2 keeps token 1 (p=.75) and 3
+    assert 0.65 < draws.count(1) / len(draws) < 0.85
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -1.0, 1.5, -2.0, 0.5]])
+    seq = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0], output=[1])
+    Sampler._apply_repetition_penalty(logits, [seq])
+    assert logits.tolist() == [[1.0, -2.0, 1.5, -2.0, 0.5]]
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[2.0, -1.0, 1.5, -2.0], [2.0, -1.0, 1.5, -2.0]])
+    penalised = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0, 3])
+    plain = make_seq(SamplingParams(temperature=0), prompt=[0, 3])
+    assert Sampler(CPU, seed=0)(logits, [penalised, plain]) == [2, 0]
+
+
+def test_top_k_1_is_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 1000)
+    seqs = [make_seq(SamplingParams(temperature=1.3, top_k=1, seed=i)) for i in range(8)]
+    assert Sampler(CPU, seed=0)(logits.clone(), seqs) == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(20, 3, 500)
+
+    def draws(batch_seed_sets):
+        sampler = Sampler(CPU, seed=123)
+        seqs = [make_seq(SamplingParams(temperature=1.0, seed=s)) for s in batch_seed_sets]
+        out = []
+        for step in range(20):
+            rows = logits[step, 0].expand(len(seqs), -1).clone()   # same logits on every row
+            out.append(sampler(rows, seqs))
+        return out
+
+    alone = [row[0] for row in draws([42])]
+    in_batch = [row[1] for row in draws([7, 42, None])]
+    assert alone == in_batch
+    other_seed = [row[0] for row in draws([43])]
+    assert alone != other_seed
+
+
+def test_unseeded_sampling_follows_the_sampler_seed():
+    def draws(sampler_seed):
+        sampler = Sampler(CPU, seed=sampler_seed)
+        seq = make_seq(SamplingParams())
+        return [sampler(torch.zeros(1, 1000), [seq])[0] for _ in range(5)]
+
+    assert draws(5) == draws(5)
+    assert draws(5) != draws(6)
+
+
+def test_sampler_leaves_the_global_torch_rng_alone():
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    Sampler(CPU)                                  # unseeded: must not reseed torch's global RNG
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
+                                 dict(min_p=-0.1), dict(max_tokens=0), dict(repetition_penalty=0)])
+def test_invalid_sampling_params_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
