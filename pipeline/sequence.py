@@ -59,10 +59,13 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:
