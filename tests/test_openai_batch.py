@@ -1,0 +1,405 @@
+"""The OpenAI Batch format end to end: batch input files through `pipeline run` and through
+`pipeline submit` + a real Celery worker subprocess, `pipeline results --format openai`,
+`pipeline status --json`, and bad batch lines rejected before anything is created.
+
+Answers are greedy (temperature 0) on the tiny random Llama, so the same prompts must give
+the same text whichever input format or path they came in by.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+import redis
+from click.testing import CliRunner
+from openai.types import Batch, Completion
+from openai.types.chat import ChatCompletion
+
+from jobs.ledger import ensure_schema, get_job, list_jobs, make_engine, session_factory, upgrade
+from jobs.paths import JobPaths, check_job_id, default_database_url
+from jobs.results import read_results
+from pipeline.cli import main
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+FAST = ["--kv-cache-gib", "0.05"]
+BROKER_URL = "redis://127.0.0.1:6379/0"
+QUEUE = f"pipeline-test-openai-{uuid.uuid4().hex[:8]}"  # this module's own queue
+WAIT_S = 180
+MAX_TOKENS = 16
+TOO_LONG = "word " * 600  # well over the tiny model's 512 positions: that request fails
+
+# id -> chat messages; "long" fails, "mct" uses max_completion_tokens instead of max_tokens.
+CHATS = {
+    "greet": [{"role": "user", "content": "Hello! Who are you?"}],
+    "capital": [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}],
+    "mct": [{"role": "user", "content": "Count from one to five."}],
+    "long": [{"role": "user", "content": TOO_LONG}],
+}
+PROMPTS = {
+    "story": "Once upon a time",
+    "list": "Three colours are",
+    "long": TOO_LONG,
+}
+FAILING = {"long"}
+
+
+# ---- input files --------------------------------------------------------------------------
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def openai_line(custom_id, url, body):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def chat_batch(path):
+    rows = []
+    for cid, messages in CHATS.items():
+        body = {"model": "x", "messages": messages, "temperature": 0}
+        body["max_completion_tokens" if cid == "mct" else "max_tokens"] = MAX_TOKENS
+        rows.append(openai_line(cid, CHAT, body))
+    return write_jsonl(path, rows)
+
+
+def chat_pipeline(path):
+    return write_jsonl(path, [{"id": cid, "messages": m, "max_tokens": MAX_TOKENS, "temperature": 0}
+                              for cid, m in CHATS.items()])
+
+
+def completions_batch(path):
+    return write_jsonl(path, [openai_line(cid, COMPLETIONS, {"model": "x", "prompt": p, "max_tokens": MAX_TOKENS,
+                                                             "temperature": 0})
+                              for cid, p in PROMPTS.items()])
+
+
+def completions_pipeline(path):
+    return write_jsonl(path, [{"id": cid, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+                              for cid, p in PROMPTS.items()])
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture
+def Session(data_root):
+    """Sessions on the data root's default SQLite ledger (migrated)."""
+    ensure_schema(default_database_url(data_root))
+    engine = make_engine(default_database_url(data_root))
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def run_job(runner, src, model_dir) -> str:
+    """`pipeline run` on the tiny model; returns the job id it reported."""
+    result = runner.invoke(main, ["run", str(src), "--model", str(model_dir), *FAST])
+    assert result.exit_code == 0, result.output
+    m = re.search(r"^job (job_[0-9a-f]{16}): completed$", result.stdout, re.M)
+    assert m, result.stdout
+    return m[1]
+
+
+def result_rows(root, job_id) -> dict[str, dict]:
+    rows = read_results(JobPaths(root, job_id).results_dir).to_pylist()
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows), "a request has two result rows"
+    return by_id
+
+
+def answers(rows: dict[str, dict]) -> dict[str, tuple]:
+    """What must not depend on the input format or path: text, finish reason, token counts."""
+    return {i: (r["output"], r["finish_reason"], r["prompt_tokens"], r["output_tokens"]) for i, r in rows.items()}
+
+
+def check_answers(rows: dict[str, dict], expected_ids):
+    """The rows are real answers: one per request, the long one failed, the others generated text."""
+    assert set(rows) == set(expected_ids)
+    for i, r in rows.items():
+        if i in FAILING:
+            assert r["finish_reason"] == "error" and r["error"], r
+        else:
+            assert r["finish_reason"] in ("stop", "length") and r["error"] is None, r
+            assert 0 < r["output_tokens"] <= MAX_TOKENS and r["prompt_tokens"] > 0, r
+    assert any(rows[i]["output"] for i in rows if i not in FAILING)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- same answers in both formats ------------------------------------------------------------
+
+def test_chat_batch_gives_the_same_answers_as_the_pipeline_format(runner, data_root, tmp_path, tiny_model_dir):
+    openai_job = run_job(runner, chat_batch(tmp_path / "batch.jsonl"), tiny_model_dir)
+    ours_job = run_job(runner, chat_pipeline(tmp_path / "ours.jsonl"), tiny_model_dir)
+    assert openai_job != ours_job
+    openai_rows, ours_rows = result_rows(data_root, openai_job), result_rows(data_root, ours_job)
+    check_answers(openai_rows, CHATS)
+    assert answers(openai_rows) == answers(ours_rows)
+    # max_completion_tokens is honoured like max_tokens (the random model runs to the limit).
+    assert openai_rows["mct"]["output_tokens"] == ours_rows["mct"]["output_tokens"]
+
+
+def test_completions_batch_gives_the_same_answers_as_the_pipeline_format(runner, data_root, tmp_path,
+                                                                         tiny_model_dir):
+    openai_job = run_job(runner, completions_batch(tmp_path / "batch.jsonl"), tiny_model_dir)
+    ours_job = run_job(runner, completions_pipeline(tmp_path / "ours.jsonl"), tiny_model_dir)
+    openai_rows = result_rows(data_root, openai_job)
+    check_answers(openai_rows, PROMPTS)
+    assert answers(openai_rows) == answers(result_rows(data_root, ours_job))
+
+
+# ---- through a real worker ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def drop_queue():
+    yield
+    redis.Redis.from_url(BROKER_URL).delete(QUEUE, f"_kombu.binding.{QUEUE}", f"_kombu.binding_permanent.{QUEUE}")
+
+
+def pipeline_env(data_dir, db_url) -> dict:
+    return {**os.environ, "PIPELINE_DATA_DIR": str(data_dir), "PIPELINE_DATABASE_URL": db_url,
+            "PIPELINE_BROKER_URL": BROKER_URL, "PIPELINE_QUEUE": QUEUE}
+
+
+def cli(env, *args, timeout=WAIT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def worker(env, log_path):
+    """A `pipeline worker` subprocess, always stopped afterwards (warm, then forced)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def submit_and_wait(env, src, model_dir) -> str:
+    done = cli(env, "submit", src, "--wait", "--model", model_dir, *FAST)
+    assert done.returncode == 0, done.stderr
+    return check_job_id(done.stdout.strip())
+
+
+def test_chat_batch_through_a_worker_matches_run_and_the_pipeline_format(runner, data_root, pg_url, tmp_path,
+                                                                         tiny_model_dir):
+    """On PostgreSQL: `submit` of the batch file and of our own format to a worker subprocess,
+    compared with each other and with `pipeline run` of the batch file (SQLite, in process)."""
+    upgrade(pg_url)
+    worker_dir = tmp_path / "worker-data"
+    worker_dir.mkdir()
+    env = pipeline_env(worker_dir, pg_url)
+    batch_src, ours_src = chat_batch(tmp_path / "batch.jsonl"), chat_pipeline(tmp_path / "ours.jsonl")
+    with worker(env, tmp_path / "worker.log"):
+        openai_job = submit_and_wait(env, batch_src, tiny_model_dir)
+        ours_job = submit_and_wait(env, ours_src, tiny_model_dir)
+    worker_rows = result_rows(worker_dir, openai_job)
+    check_answers(worker_rows, CHATS)
+    assert answers(worker_rows) == answers(result_rows(worker_dir, ours_job))
+    run_rows = result_rows(data_root, run_job(runner, batch_src, tiny_model_dir))
+    assert answers(worker_rows) == answers(run_rows)
+
+    # The worker's job, as the worker's ledger reports it, is a completed chat batch.
+    done = cli(env, "status", openai_job, "--json", timeout=60)
+    assert done.returncode == 0, done.stderr
+    batch = Batch.model_validate(json.loads(done.stdout))
+    assert (batch.id, batch.object, batch.status, batch.endpoint) == (openai_job, "batch", "completed", CHAT)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
+    assert batch.usage.output_tokens == sum(r["output_tokens"] for r in worker_rows.values())
+
+
+# ---- results --format openai -------------------------------------------------------------------
+
+def export_openai(runner, job_id, out, err=None) -> tuple[list[dict], list[dict]]:
+    args = ["results", job_id, "--format", "openai", "--output-file", str(out)]
+    if err is not None:
+        args += ["--error-file", str(err)]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    err = err if err is not None else out.with_name(out.stem + ".errors.jsonl")
+    return read_jsonl(out), read_jsonl(err)
+
+
+def check_output_lines(ok_lines, err_lines, rows, body_type, model_dir):
+    # Every custom_id exactly once across the two files; the failing one in the error file.
+    custom_ids = [line["custom_id"] for line in ok_lines + err_lines]
+    assert sorted(custom_ids) == sorted(rows) and len(set(custom_ids)) == len(custom_ids)
+    assert {line["custom_id"] for line in err_lines} == FAILING
+    line_ids = [line["id"] for line in ok_lines + err_lines]
+    assert len(set(line_ids)) == len(line_ids) and all(i.startswith("batch_req_") for i in line_ids)
+    request_ids = set()
+    for line in ok_lines:
+        row = rows[line["custom_id"]]
+        assert line["error"] is None, line
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"], line
+        request_ids.add(response["request_id"])
+        body = body_type.model_validate(response["body"])
+        (choice,) = body.choices
+        text = choice.message.content if body_type is ChatCompletion else choice.text
+        assert text == row["output"] and choice.finish_reason == row["finish_reason"]
+        assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.usage.total_tokens) == (
+            row["prompt_tokens"], row["output_tokens"], row["prompt_tokens"] + row["output_tokens"])
+        assert body.model == str(model_dir.resolve())
+    assert len(request_ids) == len(ok_lines)
+    for line in err_lines:
+        row = rows[line["custom_id"]]
+        assert line["response"] is None, line
+        assert line["error"]["code"] == "request_failed"
+        assert line["error"]["message"] == row["error"] and line["error"]["message"]
+
+
+def test_results_openai_chat(runner, data_root, tmp_path, tiny_model_dir):
+    job_id = run_job(runner, chat_batch(tmp_path / "batch.jsonl"), tiny_model_dir)
+    rows = result_rows(data_root, job_id)
+    ok_lines, err_lines = export_openai(runner, job_id, tmp_path / "out.jsonl", tmp_path / "err.jsonl")
+    assert len(ok_lines) == 3 and len(err_lines) == 1
+    check_output_lines(ok_lines, err_lines, rows, ChatCompletion, tiny_model_dir)
+    for line in ok_lines:
+        body = ChatCompletion.model_validate(line["response"]["body"])
+        assert body.object == "chat.completion" and body.choices[0].message.role == "assistant"
+    # Exporting again gives the same files (ids are stable).
+    again = export_openai(runner, job_id, tmp_path / "out2.jsonl", tmp_path / "err2.jsonl")
+    assert again == (ok_lines, err_lines)
+
+
+def test_results_openai_completions(runner, data_root, tmp_path, tiny_model_dir):
+    job_id = run_job(runner, completions_batch(tmp_path / "batch.jsonl"), tiny_model_dir)
+    rows = result_rows(data_root, job_id)
+    # Without --error-file the errors go next to the output file, as OUTPUT.errors.jsonl.
+    ok_lines, err_lines = export_openai(runner, job_id, tmp_path / "out.jsonl")
+    assert len(ok_lines) == 2 and len(err_lines) == 1
+    check_output_lines(ok_lines, err_lines, rows, Completion, tiny_model_dir)
+    assert all(Completion.model_validate(line["response"]["body"]).object == "text_completion" for line in ok_lines)
+
+
+def test_results_openai_needs_an_output_file(runner, data_root, tmp_path, tiny_model_dir):
+    job_id = run_job(runner, completions_batch(tmp_path / "batch.jsonl"), tiny_model_dir)
+    result = runner.invoke(main, ["results", job_id, "--format", "openai"])
+    assert result.exit_code == 2 and "--output-file" in result.output, result.output
+
+
+# ---- status --json ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_status_json_is_the_batch_of_the_job(runner, data_root, tmp_path, tiny_model_dir, Session, endpoint):
+    make = chat_batch if endpoint == CHAT else completions_batch
+    job_id = run_job(runner, make(tmp_path / "batch.jsonl"), tiny_model_dir)
+    rows = result_rows(data_root, job_id)
+    result = runner.invoke(main, ["status", job_id, "--json"])
+    assert result.exit_code == 0, result.output
+    raw = json.loads(result.stdout)
+    batch = Batch.model_validate(raw)
+    with Session() as s:
+        job = get_job(s, job_id)
+    assert (batch.id, batch.object, batch.status, batch.endpoint) == (job_id, "batch", "completed", endpoint)
+    counts = (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed)
+    assert counts == (job.total_requests, job.completed_requests, job.failed_requests) == (len(rows), len(rows) - 1, 1)
+    prompt_tokens = sum(r["prompt_tokens"] for r in rows.values())
+    output_tokens = sum(r["output_tokens"] for r in rows.values())
+    assert output_tokens > 0
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (job.prompt_tokens, job.output_tokens)
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt_tokens, output_tokens)
+    assert batch.usage.total_tokens == prompt_tokens + output_tokens
+    assert batch.created_at and batch.in_progress_at and batch.completed_at
+    assert batch.created_at <= batch.in_progress_at <= batch.completed_at
+    assert batch.failed_at is None and batch.cancelled_at is None and batch.expired_at is None
+    assert batch.model == str(tiny_model_dir.resolve())
+    # The ledger's own word on the job is under "pipeline"; its status is the same.
+    assert raw["pipeline"]["status"] == "completed" and raw["pipeline"]["input_format"] == "openai"
+
+
+# ---- bad batch lines -----------------------------------------------------------------------------
+
+GOOD = openai_line("a", CHAT, {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+
+
+def bad(custom_id, **changes):
+    line = {**GOOD, "custom_id": custom_id, **changes}
+    return {k: v for k, v in line.items() if v is not ...}
+
+
+def bad_body(custom_id, **changes):
+    return bad(custom_id, body={**GOOD["body"], **changes})
+
+
+# (line, what the message must say) after GOOD on line 1
+BAD_LINES = {
+    "wrong method": (bad("m", method="GET"), "method must be \"POST\""),
+    "unknown url": (bad("u", url="/v1/embeddings"), "unknown url"),
+    "missing body": (bad("b", body=...), "missing body"),
+    "duplicate custom_id": (bad("a"), "duplicate id 'a' (first on line 1)"),
+    "logprobs": (bad_body("l", logprobs=True), "unsupported field 'logprobs'"),
+    "n=2": (bad_body("n", n=2), "n > 1 is not supported"),
+    "other url": (bad("o", url=COMPLETIONS, body={"prompt": "Hi"}), "every line of a batch must use the same url"),
+}
+
+
+def assert_nothing_created(runner, data_root, db_url):
+    assert not (data_root / "jobs").exists() or not any((data_root / "jobs").iterdir())
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            assert list_jobs(s) == []
+    finally:
+        engine.dispose()
+    listing = runner.invoke(main, ["list"], env={"PIPELINE_DATABASE_URL": db_url})
+    assert listing.exit_code == 0 and "no jobs yet" in listing.stdout, listing.output
+
+
+@pytest.mark.parametrize("case", list(BAD_LINES))
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_each_bad_batch_line_exits_2_and_creates_nothing(runner, data_root, tmp_path, command, case):
+    line, message = BAD_LINES[case]
+    src = write_jsonl(tmp_path / "bad.jsonl", [GOOD, line, {**GOOD, "custom_id": "z"}])
+    db_url = default_database_url(data_root)
+    result = runner.invoke(main, [command, str(src), *FAST],
+                           env={"PIPELINE_BROKER_URL": BROKER_URL, "PIPELINE_QUEUE": QUEUE})
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.stderr.splitlines() if re.match(r"\s*line \d+:", ln)]
+    assert len(errors) == 1 and errors[0].strip().startswith("line 2:") and message in errors[0], result.stderr
+    assert "1 error(s)" in result.stderr and "nothing was submitted" in result.stderr
+    assert result.stdout == ""  # submit prints a job id on stdout only when it made one
+    assert_nothing_created(runner, data_root, db_url)
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_file_of_bad_batch_lines_reports_every_line(data_root, db_url, tmp_path, command, runner):
+    """A real `pipeline` process on each ledger backend: every bad line by number, exit 2,
+    no job row, no job directory, nothing on this module's queue."""
+    rows = [GOOD] + [line for line, _ in BAD_LINES.values()] + [{**GOOD, "custom_id": "z"}]
+    src = write_jsonl(tmp_path / "bad.jsonl", rows)
+    env = pipeline_env(data_root, db_url)
+    done = cli(env, command, src, *FAST, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    reported = {int(m[1]): m[2] for m in re.finditer(r"^\s*line (\d+): (.*)$", done.stderr, re.M)}
+    assert sorted(reported) == list(range(2, 2 + len(BAD_LINES))), done.stderr
+    for number, (_, message) in enumerate(BAD_LINES.values(), start=2):
+        assert message in reported[number], (number, reported[number])
+    assert f"{len(BAD_LINES)} error(s)" in done.stderr
+    assert_nothing_created(runner, data_root, db_url)
+    assert redis.Redis.from_url(BROKER_URL).llen(QUEUE) == 0
