@@ -1,7 +1,8 @@
 """Ending a job: statistics from its committed results, then its final ledger status.
 
 `finalize_job` is called after every shard commit (and after a cancel); only the caller
-that wins ledger.try_finalize does the work. `abandon_job` ends a job that cannot run
+that wins ledger.try_finalize does the work. `refinalize_job` finishes a job whose
+finalizer died half-way (workers.recovery calls it). `abandon_job` ends a job that cannot run
 (model does not load, broker lost, run interrupted).
 """
 from __future__ import annotations
@@ -21,6 +22,18 @@ def finalize_job(Session: sessionmaker[Session], root, job_id: str) -> bool:
     """
     with Session() as s:
         if not ledger.try_finalize(s, job_id):
+            return False
+    _finish(Session, root, job_id, JobStatus.COMPLETED, error=None)
+    return True
+
+
+def refinalize_job(Session: sessionmaker[Session], root, job_id: str, older_than_s: float) -> bool:
+    """Finish a job whose finalizer died after claiming it more than older_than_s ago.
+
+    Returns True for the one caller that finished it (recovery: workers.recovery).
+    """
+    with Session() as s:
+        if not ledger.retake_finalize(s, job_id, older_than_s):
             return False
     _finish(Session, root, job_id, JobStatus.COMPLETED, error=None)
     return True

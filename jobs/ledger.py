@@ -12,8 +12,13 @@ Decisions:
   ``release_shard`` (SIGTERM) increments ``Shard.releases`` instead of decrementing
   the attempt, and ``max_attempts`` counts ``attempt - releases``, so a shutdown does
   not use up an attempt yet a released worker can never commit over its successor.
-* While a shard is queued, ``lease_expires_at`` holds the end of its last lease
-  (null if never leased); ``queued_shards`` uses it to tell how long it has waited.
+* While a shard is queued, ``lease_expires_at`` holds when it was last (re)queued: the
+  end of its last lease, or when a reconciler last re-enqueued it (``touch_queued``);
+  null if neither. ``queued_shards`` uses it to tell how long it has waited.
+* Recovery (workers.recovery) is built from conditional updates too: the reaper's
+  ``expired_shards`` and ``take_over_expired``, the reconciler's ``queued_shards`` and
+  ``touch_queued``, ``cancel_orphaned_shards``, ``unfinalized_jobs`` and
+  ``retake_finalize``; many recovery passes at once each win a given step once.
 * OpenAI semantics for the job outcome: a job that ran to the end is ``completed``
   even if some (or all) requests or shards failed — failures are error rows in the
   results. ``failed`` is for the batch itself failing (e.g. the model cannot load),
@@ -505,6 +510,99 @@ def queued_shards(s: Session, older_than_s: float) -> list[tuple[str, int]]:
     ).all()
     s.commit()
     return [(job_id, index) for job_id, index in rows]
+
+
+def take_over_expired(s: Session, job_id: str, index: int, attempt: int, worker: str, lease_s: float) -> bool:
+    """Reaper: lease a running shard whose lease expired to `worker`, keeping its attempt.
+
+    For an exhausted shard (no attempts left) whose error rows the reaper commits with
+    commit_shard(attempt, status="failed"). The condition on the dead lease makes one
+    reaper of many win; a worker that was only slow, not dead, still races on the same
+    fencing token in commit_shard, so at most one of them commits.
+    """
+    now = utcnow()
+    stmt = (update(Shard)
+            .where(_held(job_id, index, attempt), Shard.lease_expires_at < now)
+            .values(worker=worker, lease_expires_at=now + timedelta(seconds=lease_s), heartbeat_at=now))
+    return _commit_if_won(s, stmt)
+
+
+def touch_queued(s: Session, job_id: str, index: int, older_than_s: float) -> bool:
+    """Reconciler: restart a queued shard's waiting clock if it has waited longer than older_than_s.
+
+    True for the one caller that should re-enqueue it, so that many reconcilers running
+    at once (one per worker) send one message per shard per grace period, not one each.
+    """
+    now = utcnow()
+    stmt = (update(Shard)
+            .where(Shard.job_id == job_id, Shard.index == index, Shard.status == ShardStatus.QUEUED,
+                   or_(Shard.lease_expires_at.is_(None),
+                       Shard.lease_expires_at < now - timedelta(seconds=older_than_s)))
+            .values(lease_expires_at=now))
+    return _commit_if_won(s, stmt)
+
+
+def cancel_orphaned_shards(s: Session) -> list[tuple[str, int]]:
+    """Queued shards of cancelling jobs → cancelled; returns them.
+
+    request_cancel cancels the shards queued at that moment; a running shard of a
+    cancelling job whose worker died is put back to queued by expired_shards, and no
+    worker may claim it any more, so it would keep the job from ever finalizing.
+    """
+    cancelling = select(Job.id).where(Job.status == JobStatus.CANCELLING)
+    rows = s.execute(
+        update(Shard)
+        .where(Shard.status == ShardStatus.QUEUED, Shard.job_id.in_(cancelling))
+        .values(status=ShardStatus.CANCELLED, finished_at=utcnow())
+        .returning(Shard.job_id, Shard.index),
+        execution_options={"synchronize_session": False}).all()
+    s.commit()
+    return sorted((job_id, index) for job_id, index in rows)
+
+
+def unfinalized_jobs(s: Session) -> list[str]:
+    """Jobs whose shards have all ended but that nobody finalized (the finalizer died)."""
+    unfinished = (select(Shard.index)
+                  .where(Shard.job_id == Job.id, Shard.status.in_((ShardStatus.QUEUED, ShardStatus.RUNNING)))
+                  .exists())
+    ids = list(s.scalars(
+        select(Job.id)
+        .where(Job.finalizing_at.is_(None), ~unfinished,
+               Job.status.in_((JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING)))
+        .order_by(Job.id)))
+    s.commit()
+    return ids
+
+
+def retake_finalize(s: Session, job_id: str, older_than_s: float) -> bool:
+    """Claim again the finalization of a job stuck in it for longer than older_than_s
+    (its finalizer died between try_finalize and finish_job). One caller wins."""
+    now = utcnow()
+    stmt = (update(Job)
+            .where(Job.id == job_id, Job.finished_at.is_(None),
+                   Job.status.in_((JobStatus.FINALIZING, JobStatus.CANCELLING)),
+                   Job.finalizing_at < now - timedelta(seconds=older_than_s))
+            .values(finalizing_at=now))
+    return _commit_if_won(s, stmt)
+
+
+def stale_finalizing_jobs(s: Session, older_than_s: float) -> list[str]:
+    """Jobs whose finalization was claimed more than older_than_s ago and never finished."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    ids = list(s.scalars(
+        select(Job.id)
+        .where(Job.finished_at.is_(None), Job.finalizing_at < cutoff,
+               Job.status.in_((JobStatus.FINALIZING, JobStatus.CANCELLING)))
+        .order_by(Job.id)))
+    s.commit()
+    return ids
+
+
+def active_jobs(s: Session) -> list[str]:
+    """Ids of the jobs that have not ended."""
+    ids = list(s.scalars(select(Job.id).where(Job.status.not_in(JobStatus.TERMINAL)).order_by(Job.id)))
+    s.commit()
+    return ids
 
 
 # --- helpers ------------------------------------------------------------------------------

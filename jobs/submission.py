@@ -2,6 +2,7 @@
 
 All or nothing: an invalid file raises jobs.spec.InvalidInput before anything exists, and
 any later failure removes the job's directory again, so no half-created job is left.
+`create_retry_job` makes a new job of the failed requests of an ended one.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger, spec
-from jobs.paths import JobPaths, new_job_id
+from jobs.paths import JobPaths, check_job_id, new_job_id
 
 
 def create_job_from_file(
@@ -43,3 +44,93 @@ def create_job_from_file(
         shutil.rmtree(job_paths.dir, ignore_errors=True)
         raise
     return job_id, shard_sizes
+
+
+class NothingToRetry(ValueError):
+    """The job has no failed request (finish_reason "error") to run again."""
+
+
+def create_retry_job(
+    Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None,
+) -> tuple[str, list[int]]:
+    """A new queued job with exactly the failed requests (finish_reason "error") of the
+    ended job `job_id`: same ids, same normalised lines (so the same parameters) read
+    from its input shards, same model and engine options, metadata {"retry_of": job_id}.
+
+    Returns (new job id, requests per shard). Raises ValueError if job_id is malformed,
+    unknown or not ended yet, NothingToRetry if none of its requests failed. All or
+    nothing, like create_job_from_file.
+    """
+    from jobs.results import iter_result_rows
+
+    check_job_id(job_id)
+    with Session() as s:
+        old = ledger.get_job(s, job_id)
+    if old is None:
+        raise ValueError(f"unknown job {job_id!r}")
+    if old.status not in ledger.JobStatus.TERMINAL:
+        raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried")
+    old_paths = JobPaths(root, job_id)
+    failed = {row["id"] for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"])
+              if row["finish_reason"] == "error"}
+    if not failed:
+        raise NothingToRetry(f"job {job_id} has no failed requests: nothing to retry")
+    shard_size = shard_size or old.shard_size
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    new_id = new_job_id()
+    new_paths = JobPaths(root, new_id)
+    try:
+        sizes = _write_retry_shards(old_paths, old.num_shards, failed, new_paths.input_dir, shard_size)
+        if not sizes:  # the failed ids are not in its input shards (should not happen)
+            raise NothingToRetry(f"job {job_id}: its failed requests are not in its input shards")
+        with Session() as s:
+            ledger.create_job(
+                s, job_id=new_id, model=old.model, engine_options=old.engine_options,
+                input_format=old.input_format, endpoint=old.endpoint, input_path=old.input_path,
+                results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
+                completion_window=old.completion_window,
+                metadata={**(old.metadata_ or {}), "retry_of": job_id})
+    except BaseException:
+        shutil.rmtree(new_paths.dir, ignore_errors=True)
+        raise
+    return new_id, sizes
+
+
+def _write_retry_shards(old_paths: JobPaths, num_shards: int, ids: set[str], out_dir: Path,
+                        shard_size: int) -> list[int]:
+    """Copy the input lines whose id is in `ids`, in input order, into new shard files."""
+    import json
+    import os
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes: list[int] = []
+    out = None
+
+    def close(out):
+        out.flush()
+        os.fsync(out.fileno())
+        out.close()
+        os.replace(out.name, out_dir / spec.shard_file_name(len(sizes) - 1))
+
+    try:
+        for index in range(num_shards):
+            with open(old_paths.input_shard(index), encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip() or json.loads(line)["id"] not in ids:
+                        continue
+                    if out is None:
+                        sizes.append(0)
+                        out = open(out_dir / f".{spec.shard_file_name(len(sizes) - 1)}.tmp", "w", encoding="utf-8")
+                    out.write(line if line.endswith("\n") else line + "\n")
+                    sizes[-1] += 1
+                    if sizes[-1] == shard_size:
+                        close(out)
+                        out = None
+        if out is not None:
+            close(out)
+            out = None
+    finally:
+        if out is not None:
+            out.close()
+    return sizes

@@ -108,12 +108,9 @@ def main():
 def submit_command(file, engine_options, shard_size, wait, broker_url, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout."""
     from jobs.finalize import abandon_job
-    from workers.tasks import BrokerUnavailable, check_broker, enqueue_job
+    from workers.tasks import enqueue_job
 
-    try:
-        check_broker(broker_url)  # before creating anything: no job may wait for a broker that is down
-    except BrokerUnavailable as e:
-        raise Fail(str(e), EXIT_BROKER) from None
+    _check_broker(broker_url)  # before creating anything: no job may wait for a broker that is down
     Session = settings.sessions()
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
     try:
@@ -135,37 +132,81 @@ def submit_command(file, engine_options, shard_size, wait, broker_url, settings)
 @with_settings
 def run_command(file, engine_options, shard_size, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default)."""
-    from jobs import ledger
-    from jobs.finalize import abandon_job
-    from workers.engine_holder import EngineHolder
-    from workers.shard_runner import run_shard
-
     Session = settings.sessions()
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
-    click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
-    engines = EngineHolder()
-    worker = f"{socket.gethostname()}:{os.getpid()}"
-    try:
-        try:
-            engines.get(engine_options)  # a model that cannot load fails the job, not each shard
-        except Exception as e:
-            abandon_job(Session, settings.data_dir, job_id, f"the engine could not start: {e}")
-            raise Fail(f"job {job_id} failed: the engine could not start: {e}", EXIT_JOB_NOT_COMPLETED) from None
-        with _Progress(sum(sizes)) as advance:
-            for index in range(len(sizes)):
-                # One attempt: a crash in a shard becomes its error rows and the run goes on.
-                run_shard(Session, settings.data_dir, job_id, index, engine_provider=engines.get,
-                          worker_name=worker, max_attempts=1, on_result=lambda row: advance(row["finish_reason"]))
-    except KeyboardInterrupt:
-        with Session() as s:
-            ledger.request_cancel(s, job_id)
-        abandon_job(Session, settings.data_dir, job_id, "interrupted")
-        raise Fail(f"interrupted: job {job_id} cancelled", EXIT_INTERRUPTED) from None
+    _run_local(Session, settings, job_id, sizes, engine_options)
+
+
+@main.command("retry")
+@click.argument("job_id")
+@click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
+@click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
+@click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
+@click.option("--broker-url", envvar="PIPELINE_BROKER_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@with_settings
+def retry_command(job_id, local, shard_size, wait, broker_url, settings):
+    """Run the failed requests (finish_reason error) of an ended job again, as a new job.
+
+    The new job has the same request ids, parameters, model and engine options, and
+    metadata {"retry_of": JOB}; its id is printed on stdout.
+    """
+    from jobs.finalize import abandon_job
+    from jobs.submission import NothingToRetry, create_retry_job
+
+    _check_job_id(job_id)
+    if not local:
+        _check_broker(broker_url)
+    Session = settings.sessions()
     with Session() as s:
-        job = ledger.get_job(s, job_id)
-    _print_summary(job)
-    if job.status != "completed":
-        raise Fail(f"job {job_id} ended {job.status}", EXIT_JOB_NOT_COMPLETED)
+        _get_job(s, job_id)
+    try:
+        new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size)
+    except NothingToRetry as e:
+        raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
+    except ValueError as e:
+        raise Fail(str(e), EXIT_USAGE) from None
+    click.echo(new_id)
+    if local:
+        with Session() as s:
+            from jobs import ledger
+            options = ledger.get_job(s, new_id).engine_options
+        _run_local(Session, settings, new_id, sizes, options)
+        return
+    from workers.tasks import enqueue_job
+    try:
+        enqueue_job(new_id, len(sizes), broker_url)
+    except Exception as e:
+        abandon_job(Session, settings.data_dir, new_id, f"enqueueing the shards failed: {e}")
+        raise Fail(f"job {new_id} failed: enqueueing its shards failed: {e}", EXIT_BROKER) from None
+    if wait:
+        status = _watch(Session, new_id)
+        if status != "completed":
+            raise Fail(f"job {new_id} ended {status}", EXIT_JOB_NOT_COMPLETED)
+
+
+@main.command("recover")
+@click.option("--max-attempts", envvar="PIPELINE_MAX_ATTEMPTS", default=3, show_default=True,
+              type=click.IntRange(min=1), help="Attempts a shard gets (as the workers': PIPELINE_MAX_ATTEMPTS).")
+@click.option("--queued-grace", envvar="PIPELINE_QUEUED_GRACE_SECONDS", default=60.0, show_default=True,
+              type=click.FloatRange(min=0), help="Re-enqueue shards queued for longer than this (seconds).")
+@click.option("--broker-url", envvar="PIPELINE_BROKER_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@with_settings
+def recover_command(max_attempts, queued_grace, broker_url, settings):
+    """One recovery pass (workers run it every PIPELINE_RECOVERY_INTERVAL s; use this from cron).
+
+    Re-enqueues shards of dead workers and shards the broker lost, writes error rows for
+    shards out of attempts, and finalizes jobs left unfinished. Prints what it did as JSON.
+    """
+    _check_broker(broker_url)
+    os.environ["PIPELINE_BROKER_URL"] = broker_url
+    from workers.app import app
+    from workers.recovery import recover
+
+    app.conf.broker_url = broker_url
+    report = recover(settings.sessions(), settings.data_dir, max_attempts=max_attempts, queued_grace_s=queued_grace)
+    click.echo(json.dumps(report))
+    if report["errors"]:
+        raise Fail(f"{len(report['errors'])} recovery step(s) failed (see above)")
 
 
 @main.command("status")
@@ -176,6 +217,8 @@ def status_command(job_id, as_json, settings):
     """Show one job in detail, or all recent jobs."""
     from jobs import ledger
 
+    if job_id:
+        _check_job_id(job_id)
     Session = settings.sessions()
     with Session() as s:
         jobs = [_get_job(s, job_id)] if job_id else ledger.list_jobs(s)
@@ -214,6 +257,7 @@ def results_command(job_id, export, fmt, output_file, error_file, settings):
     from jobs.ledger import JobStatus
     from jobs.paths import JobPaths
 
+    _check_job_id(job_id)
     with settings.sessions()() as s:
         job = _get_job(s, job_id)
     results_dir = JobPaths(settings.data_dir, job_id).results_dir
@@ -239,6 +283,7 @@ def cancel_command(job_id, settings):
     from jobs import ledger
     from jobs.finalize import finalize_job
 
+    _check_job_id(job_id)
     Session = settings.sessions()
     with Session() as s:
         job = _get_job(s, job_id)
@@ -318,9 +363,62 @@ def _create_job(Session, settings: Settings, file, engine_options: dict, shard_s
         raise Fail("\n".join(lines), EXIT_USAGE) from None
 
 
+def _run_local(Session, settings: Settings, job_id: str, sizes: list[int], engine_options: dict) -> None:
+    """Run a created job's shards in this process (`pipeline run`, `pipeline retry --local`)."""
+    from jobs import ledger
+    from jobs.finalize import abandon_job
+    from workers.engine_holder import EngineHolder
+    from workers.shard_runner import run_shard
+
+    click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
+    engines = EngineHolder()
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        try:
+            engines.get(engine_options)  # a model that cannot load fails the job, not each shard
+        except Exception as e:
+            abandon_job(Session, settings.data_dir, job_id, f"the engine could not start: {e}")
+            raise Fail(f"job {job_id} failed: the engine could not start: {e}", EXIT_JOB_NOT_COMPLETED) from None
+        with _Progress(sum(sizes)) as advance:
+            for index in range(len(sizes)):
+                # One attempt: a crash in a shard becomes its error rows and the run goes on.
+                run_shard(Session, settings.data_dir, job_id, index, engine_provider=engines.get,
+                          worker_name=worker, max_attempts=1, on_result=lambda row: advance(row["finish_reason"]))
+    except KeyboardInterrupt:
+        with Session() as s:
+            ledger.request_cancel(s, job_id)
+        abandon_job(Session, settings.data_dir, job_id, "interrupted")
+        raise Fail(f"interrupted: job {job_id} cancelled", EXIT_INTERRUPTED) from None
+    with Session() as s:
+        job = ledger.get_job(s, job_id)
+    _print_summary(job)
+    if job.status != "completed":
+        raise Fail(f"job {job_id} ended {job.status}", EXIT_JOB_NOT_COMPLETED)
+
+
+def _check_broker(broker_url: str) -> None:
+    from workers.tasks import BrokerUnavailable, check_broker
+
+    try:
+        check_broker(broker_url)
+    except BrokerUnavailable as e:
+        raise Fail(str(e), EXIT_BROKER) from None
+
+
+def _check_job_id(job_id: str) -> str:
+    """A malformed job id is a usage error, before it gets near the ledger or a path."""
+    from jobs.paths import check_job_id
+
+    try:
+        return check_job_id(job_id)
+    except ValueError as e:
+        raise Fail(str(e), EXIT_USAGE) from None
+
+
 def _get_job(s, job_id: str):
     from jobs import ledger
 
+    _check_job_id(job_id)
     job = ledger.get_job(s, job_id)
     if job is None:
         raise Fail(f"unknown job {job_id!r} (see `pipeline list`)", EXIT_USAGE)

@@ -2,6 +2,11 @@
 
 Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
 comes from `engine_provider(options)`, so importing this module imports no torch either.
+
+Graceful shutdown: `request_shutdown()` (the worker calls it on SIGTERM) makes every
+shard running in this process stop at its next engine step and hand its shard back with
+ledger.release_shard (no attempt used up, nothing committed, outcome "released"); the
+caller re-enqueues it. `pipeline run` never calls it: Ctrl-C there cancels the job.
 """
 from __future__ import annotations
 
@@ -25,6 +30,12 @@ log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.5
 _OK = ("stop", "length")
+_shutdown = threading.Event()
+
+
+def request_shutdown() -> None:
+    """Make the shards running in this process (and any started later) release their shard."""
+    _shutdown.set()
 
 
 def run_shard(
@@ -37,25 +48,30 @@ def run_shard(
     "skipped": nothing to do (shard done or cancelled, job not live); "busy": running
     under another attempt (a live lease, or a dead one with no attempts left, which is
     a reaper's job); "lost": our lease was taken over
-    mid-run, nothing committed; "completed" / "cancelled" / "failed": committed so.
+    mid-run, nothing committed; "released": this process is shutting down
+    (request_shutdown), the shard is queued again with its attempt given back, nothing
+    committed, and the caller must re-enqueue it; "completed" / "cancelled" / "failed":
+    committed so.
     An exception (model load, engine crash) propagates with the shard still leased, so
     it is retried once the lease expires; on the last allowed attempt the shard is
     committed as "failed" with an error row per request instead, so the job can end.
     on_result(row) is called for each result row as it is made (progress bars).
     """
+    if _shutdown.is_set():
+        return "released"  # never claimed: the caller re-enqueues it as for a released one
     with Session() as s:
         attempt = ledger.claim_shard(s, job_id, index, worker_name, lease_s, max_attempts)
-        shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
-        if attempt is None:
-            return "busy" if shard.status == ShardStatus.RUNNING else "skipped"
+        shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
+        if attempt is None or shard is None:  # (None: a message for a job that no longer exists)
+            return "busy" if shard is not None and shard.status == ShardStatus.RUNNING else "skipped"
         job = ledger.get_job(s, job_id)
     paths = JobPaths(root, job_id)
     specs = read_shard(paths.input_shard(index))
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
         try:
-            rows, cancelled = _generate(Session, job_id, engine_provider(job.engine_options), specs,
-                                        index, attempt, lease, on_result)
+            rows, cancelled, interrupted = _generate(Session, job_id, engine_provider(job.engine_options),
+                                                     specs, index, attempt, lease, on_result)
             status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED
         except Exception as e:
             if attempt - shard.releases < max_attempts:
@@ -65,6 +81,12 @@ def run_shard(
             rows, status = _error_rows(specs, index, attempt, error), ShardStatus.FAILED
         if lease.lost.is_set():
             return "lost"
+        if status == ShardStatus.COMPLETED and interrupted and _shutdown.is_set():
+            lease.stop()  # no renewal may race the release
+            with Session() as s:
+                released = ledger.release_shard(s, job_id, index, attempt)
+            paths.tmp_result(index, attempt).unlink(missing_ok=True)
+            return "released" if released else "lost"
         if not _commit(Session, paths, job_id, index, attempt, rows, status):
             return "lost"
     finally:
@@ -82,8 +104,18 @@ def to_request(spec: RequestSpec) -> Request:
     return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params)
 
 
+def commit_error_rows(Session, root, job_id: str, index: int, attempt: int, error: str, *, tmp_path) -> bool:
+    """Commit shard `index` as failed with one error row per request of its input file,
+    under `attempt` (the reaper, for a shard whose attempts are used up). tmp_path must
+    not be a name any worker attempt uses. False if that attempt no longer holds it."""
+    paths = JobPaths(root, job_id)
+    rows = _error_rows(read_shard(paths.input_shard(index)), index, attempt, error)
+    return _commit(Session, paths, job_id, index, attempt, rows, ShardStatus.FAILED, tmp=tmp_path)
+
+
 def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
-    """Result rows in input order, and whether generation stopped because of a cancel."""
+    """Result rows in input order, whether generation stopped because of a cancel, and
+    whether it stopped early for another reason (a lost lease, request_shutdown)."""
     rows: dict[str, dict] = {}
     requests = []
     for spec in specs:
@@ -94,20 +126,23 @@ def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
             _notify(on_result, rows[spec.id])
     cancel = _CancelPoll(Session, job_id)
     start = time.perf_counter()
-    for out in engine.generate(requests, should_stop=lambda: lease.lost.is_set() or cancel()):
+    stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
+    for out in engine.generate(requests, should_stop=stop):
         rows[out.id] = _row(out, index, attempt)
         _notify(on_result, rows[out.id])
-    # Whatever did not finish was dropped by should_stop: the cancel (or a lost lease, never committed).
+    # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
+    # shutdown (both never committed).
+    interrupted = len(rows) < len(specs)
     waited = time.perf_counter() - start
     for spec in specs:
         if spec.id not in rows:
             rows[spec.id] = _cancelled_row(spec.id, waited, index, attempt)
             _notify(on_result, rows[spec.id])
-    return [rows[spec.id] for spec in specs], cancel.seen
+    return [rows[spec.id] for spec in specs], cancel.seen, interrupted
 
 
-def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status) -> bool:
-    tmp = paths.tmp_result(index, attempt)
+def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None) -> bool:
+    tmp = tmp or paths.tmp_result(index, attempt)
     write_shard_tmp(rows, tmp)
     ok = [r for r in rows if r["finish_reason"] in _OK]
     with Session() as s:

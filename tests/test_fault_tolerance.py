@@ -1,0 +1,730 @@
+"""Nothing lost, nothing twice: real Celery workers (subprocesses) on real Redis, killed,
+terminated, redelivered to, and cut off from their broker, with the tiny model.
+
+Every scenario checks the same invariant at the end: every request id appears exactly
+once in the job's results dataset, the ledger's counts are exact, and no uncommitted
+attempt is left in results/_tmp. Each test runs on its own Redis queue, and stops every
+process it started. Workers run with a 3 s lease and a recovery pass every second, so a
+dead worker's shard is picked up within seconds.
+
+The soak test (`test_soak_exactly_once_while_workers_keep_dying`) is marked slow and
+deselected by default; run it with:
+
+    python -m pytest -m slow tests/test_fault_tolerance.py
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pytest
+import redis
+from click.testing import CliRunner
+
+from jobs.ledger import (
+    ensure_schema, get_job, get_shards, job_counts, list_jobs, make_engine, session_factory, upgrade,
+)
+from jobs.paths import JobPaths, check_job_id, default_database_url
+from jobs.results import read_results
+from jobs.submission import create_job_from_file
+from pipeline.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+BROKER_URL = "redis://127.0.0.1:6379/0"
+LEASE_S = 3
+WAIT_S = 150  # the longest any one wait may take before the test fails (a loaded 2-core box)
+FAST = {"kv_cache_gib": 0.05}
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+def long_rows(prefix: str, n: int, max_tokens: int = 300) -> list[dict]:
+    """Requests that keep the tiny model busy for a while (no early EOS)."""
+    return [{"id": f"{prefix}{i:03d}", "prompt": f"Count {i}", "max_tokens": max_tokens, "ignore_eos": True}
+            for i in range(n)]
+
+
+def warm_then_long(prefix: str, n_warm: int, n_long: int, max_tokens: int = 300) -> list[dict]:
+    """Quick requests first (the first shards, which load each worker's engine), then long
+    ones: a worker is caught mid-generation on a long shard, and no cold long shards
+    compete for the CPU while the engines load."""
+    return long_rows(f"{prefix}-warm-", n_warm, 8) + long_rows(f"{prefix}-", n_long, max_tokens)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+class Cluster:
+    """One test's ledger, data root, Redis queue and worker subprocesses."""
+
+    def __init__(self, tmp_path: Path, data_root: Path, db_url: str, model_dir: Path, broker_url: str = BROKER_URL,
+                 **env):
+        self.tmp_path, self.root, self.db_url, self.broker_url = tmp_path, data_root, db_url, broker_url
+        self.model_dir = model_dir
+        self.queue = f"pipeline-ft-{uuid.uuid4().hex[:8]}"
+        self.env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": db_url,
+                    "PIPELINE_BROKER_URL": broker_url, "PIPELINE_QUEUE": self.queue,
+                    "PIPELINE_LEASE_SECONDS": str(LEASE_S), "PIPELINE_MAX_ATTEMPTS": "3",
+                    "PIPELINE_RECOVERY_INTERVAL": "1", "PIPELINE_QUEUED_GRACE_SECONDS": "3",
+                    "PYTHONPATH": str(REPO), **{k: str(v) for k, v in env.items()}}
+        self.engine = make_engine(db_url)
+        self.Session = session_factory(self.engine)
+        self.procs: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}
+
+    # processes
+    def start_worker(self, app: str | None = None, pool: str = "solo", **env) -> subprocess.Popen:
+        name = f"w{len(self.procs)}"
+        if app is None:
+            cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"]
+        else:
+            cmd = [sys.executable, "-m", "celery", "-A", app, "worker", f"--pool={pool}", "--concurrency=1",
+                   "--loglevel=info", "--without-gossip", "--without-mingle", "--without-heartbeat",
+                   "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"]
+        log_path = self.tmp_path / f"{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, env={**self.env, **{k: str(v) for k, v in env.items()}}, cwd=REPO,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        self.logs[proc.pid] = log_path
+        return proc
+
+    def log(self, proc: subprocess.Popen) -> str:
+        return self.logs[proc.pid].read_text(errors="replace")
+
+    def all_logs(self) -> str:
+        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}" for path in self.logs.values())
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _drop_queue(self.broker_url, self.queue)
+        self.engine.dispose()
+
+    # jobs
+    def create_job(self, rows: list[dict], shard_size: int) -> str:
+        src = write_jsonl(self.tmp_path / f"in-{uuid.uuid4().hex[:6]}.jsonl", rows)
+        job_id, _ = create_job_from_file(self.Session, self.root, src, model=str(self.model_dir),
+                                         engine_options={"model": str(self.model_dir), **FAST},
+                                         shard_size=shard_size)
+        return job_id
+
+    def enqueue(self, job_id: str, indexes) -> None:
+        from workers.app import app
+        from workers.tasks import run_shard_task
+
+        with app.connection_for_write(self.broker_url) as conn, conn.Producer() as producer:
+            for index in indexes:
+                run_shard_task.apply_async((job_id, index), queue=self.queue, producer=producer)
+
+    def submit(self, rows: list[dict], shard_size: int) -> str:
+        job_id = self.create_job(rows, shard_size)
+        with self.Session() as s:
+            self.enqueue(job_id, range(get_job(s, job_id).num_shards))
+        return job_id
+
+    def cli(self, *args, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=self.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+
+    # the ledger
+    def job(self, job_id: str):
+        with self.Session() as s:
+            return get_job(s, job_id)
+
+    def shards(self, job_id: str):
+        with self.Session() as s:
+            return get_shards(s, job_id)
+
+    def wait_for(self, what: str, predicate, timeout: float = WAIT_S, poll_s: float = 0.2):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(poll_s)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.all_logs()}")
+
+    def wait_until_ended(self, job_id: str, timeout: float = WAIT_S):
+        return self.wait_for(f"job {job_id} to end", lambda: (job := self.job(job_id)).finished_at and job, timeout)
+
+    def running_mid_generation(self, job_id: str):
+        """A shard that is running whose lease was renewed at
+        least once after the claim, on a worker that already committed a shard (so its
+        engine is loaded and the shard is really generating)."""
+        shards = self.shards(job_id)
+        warm = {sh.worker for sh in shards if sh.status == "completed"}
+        for sh in shards:
+            if (sh.status == "running" and sh.heartbeat_at and sh.started_at
+                    and (sh.heartbeat_at - sh.started_at).total_seconds() >= 0.9
+                    and any(w and w.rsplit(":", 1)[1] == sh.worker.rsplit(":", 1)[1] for w in warm)):
+                return sh
+        return None
+
+    # the invariant
+    def assert_exactly_once(self, job_id: str, expected_ids: list[str]):
+        """Each id exactly once in the results dataset, exact ledger counts, empty _tmp."""
+        jp = JobPaths(self.root, job_id)
+        table = pads.dataset(str(jp.results_dir), format="parquet").to_table()  # as any pyarrow reader sees it
+        counts = Counter(table["id"].to_pylist())
+        assert sorted(counts) == sorted(expected_ids) and set(counts.values()) == {1}, \
+            {i: n for i, n in counts.items() if n != 1} or sorted(set(expected_ids) ^ set(counts))
+        reasons = Counter(table["finish_reason"].to_pylist())
+        job, shards = self.job(job_id), self.shards(job_id)
+        ok = reasons["stop"] + reasons["length"]
+        assert (job.completed_requests, job.failed_requests) == (ok, reasons["error"])
+        assert sum(sh.completed_requests for sh in shards) == ok
+        assert sum(sh.failed_requests for sh in shards) == reasons["error"]
+        assert job.total_requests == len(expected_ids)
+        # every row was written by the attempt that committed its shard
+        attempts = {sh.index: sh.attempt for sh in shards}
+        assert all(attempts[r["shard"]] == r["attempt"] for r in table.select(["shard", "attempt"]).to_pylist())
+        assert not list(jp.tmp_dir.glob("*")), list(jp.tmp_dir.glob("*"))
+        return table
+
+
+def _drop_queue(broker_url: str, queue: str) -> None:
+    """The queue, its bindings, and any message of it still held as unacknowledged."""
+    with contextlib.suppress(redis.RedisError):
+        client = redis.Redis.from_url(broker_url, socket_connect_timeout=2)
+        client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+        for tag, raw in client.hscan_iter("unacked"):
+            with contextlib.suppress(ValueError, TypeError):
+                if json.loads(raw)[2] == queue:
+                    client.hdel("unacked", tag)
+                    client.zrem("unacked_index", tag)
+        client.close()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path, data_root, tiny_model_dir):
+    clusters = []
+
+    def make(db_url: str, **kwargs) -> Cluster:
+        clusters.append(Cluster(tmp_path, data_root, db_url, tiny_model_dir, **kwargs))
+        return clusters[-1]
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def postgres_url(pg_url):
+    upgrade(pg_url)
+    return pg_url
+
+
+# --- a worker killed mid-shard ---------------------------------------------------------------
+
+def test_sigkill_mid_shard_second_worker_finishes_exactly_once(db_url, cluster_factory):
+    c = cluster_factory(db_url)
+    rows = warm_then_long("k", 6, 6)
+    workers = [c.start_worker(), c.start_worker()]
+    job_id = c.submit(rows, shard_size=3)
+    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    a = c.wait_for("the victim's worker process", lambda: _owner(victim, workers), timeout=5)
+    b = next(p for p in workers if p is not a)
+    a.kill()  # SIGKILL: no cleanup, the lease just stops being renewed
+    a.wait()
+    job = c.wait_until_ended(job_id)
+    assert job.status == "completed" and job.completed_requests == len(rows)
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    redone = next(sh for sh in c.shards(job_id) if sh.index == victim.index)
+    # the killed attempt was reaped and the shard committed by a later attempt on the survivor
+    assert redone.status == "completed" and redone.attempt > victim.attempt
+    assert redone.worker.endswith(f":{b.pid}")
+    assert b.poll() is None
+
+
+# --- Redis redelivers while the first copy still runs ---------------------------------------
+
+def test_visibility_timeout_redelivery_never_duplicates(postgres_url, cluster_factory):
+    """With a 2 s visibility timeout, Redis hands a running shard's message to the idle
+    worker again and again; those copies find the shard leased and are dropped."""
+    c = cluster_factory(postgres_url, PIPELINE_VISIBILITY_TIMEOUT=2)
+    rows = long_rows("v", 4, 20) + long_rows("w", 4, 450)  # shard 1 runs many times longer
+    c.start_worker(), c.start_worker()
+    job_id = c.submit(rows, shard_size=4)
+    job = c.wait_until_ended(job_id)
+    assert job.status == "completed"
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    # no copy ever took a shard over: one attempt each, no release
+    assert [(sh.attempt, sh.releases) for sh in c.shards(job_id)] == [(1, 0), (1, 0)]
+    logs = c.all_logs()
+    received = Counter(re.findall(r"Task pipeline\.run_shard\[([0-9a-f-]+)\] received", logs))
+    assert max(received.values()) >= 2 and "'busy'" in logs, "no redelivery while a shard ran\n" + logs
+
+
+# --- a shard that always kills its worker, then `pipeline retry` -------------------------------
+
+def test_a_shard_that_always_crashes_its_worker_fails_then_retry_completes_it(sqlite_url, cluster_factory):
+    c = cluster_factory(sqlite_url, PIPELINE_MAX_ATTEMPTS=2)
+    rows = long_rows("ok", 2, 60) + long_rows("crash-", 2, 60) + long_rows("ok", 4, 60)[2:]
+    # a prefork worker: the pool replaces each child that dies, the parent's recovery thread reaps
+    crasher = c.start_worker(app="tests.crashing_worker", pool="prefork")
+    job_id = c.submit(rows, shard_size=2)
+    job = c.wait_until_ended(job_id)
+    assert job.status == "completed" and (job.completed_requests, job.failed_requests) == (4, 2)
+    table = c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert {i for i, r in by_id.items() if r["finish_reason"] == "error"} == {"crash-000", "crash-001"}
+    assert all("2 attempts" in by_id[i]["error"] for i in ("crash-000", "crash-001"))
+    shards = c.shards(job_id)
+    assert [sh.status for sh in shards] == ["completed", "failed", "completed"]
+    assert (shards[1].attempt, shards[1].failed_requests) == (2, 2)
+    assert crasher.poll() is None  # the pool survived its children's deaths
+    assert c.log(crasher).count("WorkerLostError") >= 2
+
+    # `pipeline retry` queues exactly the failed requests as a new job; a sound worker runs them
+    crasher.terminate()
+    crasher.wait(timeout=60)
+    c.start_worker()
+    done = c.cli("retry", job_id, "--wait")
+    assert done.returncode == 0, done.stderr + c.all_logs()
+    retry_id = check_job_id(done.stdout.strip())
+    retry = c.job(retry_id)
+    assert retry.status == "completed" and retry.metadata_ == {"retry_of": job_id}
+    assert (retry.total_requests, retry.completed_requests, retry.failed_requests) == (2, 2, 0)
+    retried = c.assert_exactly_once(retry_id, ["crash-000", "crash-001"])
+    assert set(retried["finish_reason"].to_pylist()) <= {"stop", "length"}
+    assert c.job(job_id).status == "completed"  # the old job is left as it was
+
+
+def test_retry_local_runs_only_the_failed_requests_again(data_root, tiny_model_dir, tmp_path):
+    """Requests that fail for a reason of their own (a prompt longer than the model's 512
+    positions) fail again; the retry job holds exactly them, with the same parameters."""
+    url = default_database_url(data_root)
+    ensure_schema(url)
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "fine", "prompt": "Hi", "max_tokens": 3},
+        {"id": "long-1", "prompt": "word " * 600, "max_tokens": 2, "temperature": 0.5, "seed": 3},
+        {"id": "fine-2", "prompt": "Hello", "max_tokens": 3},
+        {"id": "long-2", "prompt": "more " * 700, "max_tokens": 4},
+    ])
+    runner = CliRunner()
+    model = ["--model", str(tiny_model_dir), "--kv-cache-gib", "0.05"]
+    assert runner.invoke(main, ["run", str(src), *model, "--shard-size", "3"]).exit_code == 0
+    engine = make_engine(url)
+    Session = session_factory(engine)
+    try:
+        with Session() as s:
+            (old,) = list_jobs(s)
+        result = runner.invoke(main, ["retry", old.id, "--local"])
+        assert result.exit_code == 0, result.output  # the retry job completes; its requests fail again
+        new_id = check_job_id(result.stdout.splitlines()[0])
+        with Session() as s:
+            new = get_job(s, new_id)
+        assert new.metadata_ == {"retry_of": old.id} and new.engine_options == old.engine_options
+        assert (new.status, new.total_requests, new.failed_requests) == ("completed", 2, 2)
+        rows = {r["id"]: r for r in read_results(JobPaths(data_root, new_id).results_dir).to_pylist()}
+        assert set(rows) == {"long-1", "long-2"} and {r["finish_reason"] for r in rows.values()} == {"error"}
+        old_lines = [json.loads(x) for p in sorted(JobPaths(data_root, old.id).input_dir.glob("*.jsonl"))
+                     for x in p.read_text().splitlines()]
+        new_lines = [json.loads(x) for p in sorted(JobPaths(data_root, new_id).input_dir.glob("*.jsonl"))
+                     for x in p.read_text().splitlines()]
+        assert new_lines == [d for d in old_lines if d["id"].startswith("long")]  # same normalised requests
+        # a job that has not ended cannot be retried; one without failures has nothing to retry
+        pending = create_job_from_file(Session, data_root, write_jsonl(tmp_path / "ok.jsonl", [
+            {"id": "a", "prompt": "Hi", "max_tokens": 1}]), model="tiny", engine_options={}, shard_size=1)[0]
+        result = runner.invoke(main, ["retry", pending, "--local"])
+        assert result.exit_code == 2 and "only an ended job" in result.output
+        result = runner.invoke(main, ["retry", new_id, "--local"])  # its two requests failed again: retryable
+        assert result.exit_code == 0
+        result = runner.invoke(main, ["run", str(tmp_path / "ok.jsonl"), *model])
+        with Session() as s:
+            clean = list_jobs(s)[0].id
+        result = runner.invoke(main, ["retry", clean, "--local"])
+        assert result.exit_code == 1 and "nothing to retry" in result.output
+        assert runner.invoke(main, ["retry", "job_../../etc"]).exit_code == 2
+    finally:
+        engine.dispose()
+
+
+# --- Redis restarted mid-job ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def private_redis():
+    """A Redis of this test's own (no persistence, like the shared one), so that restarting
+    it cannot disturb anything else using the shared Redis; always shut down at the end."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+
+    def start():
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return proc
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    state = {"proc": start()}
+
+    def restart():
+        try:
+            redis.Redis(port=port).shutdown(nosave=True)
+        except redis.ConnectionError:  # the shutdown closes the connection
+            pass
+        state["proc"].wait(timeout=20)
+        time.sleep(1)  # workers notice the broker is gone
+        state["proc"] = start()
+
+    try:
+        yield f"redis://127.0.0.1:{port}/0", restart
+    finally:
+        proc = state["proc"]
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+def test_redis_restart_mid_job_loses_nothing(postgres_url, cluster_factory):
+    """Redis keeps nothing: the queued messages and the running shard's unacked one are
+    gone. The running shard still commits through the ledger, the workers reconnect, and
+    the reconciler re-enqueues the queued shards nobody has a message for."""
+    with private_redis() as (broker, restart_redis):
+        c = cluster_factory(postgres_url, broker_url=broker)
+        rows = warm_then_long("r", 3, 9)
+        c.start_worker()
+        job_id = c.submit(rows, shard_size=3)
+        c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+        assert redis.Redis.from_url(broker).llen(c.queue) > 0  # messages that the restart will lose
+        restart_redis()
+        assert redis.Redis.from_url(broker).llen(c.queue) == 0
+        job = c.wait_until_ended(job_id)
+        assert job.status == "completed" and job.completed_requests == 12
+        c.assert_exactly_once(job_id, [r["id"] for r in rows])
+        assert "recovery: {'reenqueued'" in c.all_logs() or "'reenqueued': [" in c.all_logs()
+
+
+# --- cancel mid-job ---------------------------------------------------------------------------
+
+def test_cancel_mid_job_stops_the_worker_promptly(sqlite_url, cluster_factory):
+    c = cluster_factory(sqlite_url)
+    rows = warm_then_long("c", 4, 8, 500)  # long enough to still run when `pipeline cancel` lands
+    w = c.start_worker()
+    job_id = c.submit(rows, shard_size=4)
+    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    done = c.cli("cancel", job_id)
+    cancelled_at = time.monotonic()
+    assert done.returncode == 0 and job_id in done.stdout, done.stderr
+    job = c.wait_until_ended(job_id, timeout=20)
+    assert time.monotonic() - cancelled_at < 10  # stopped at its next step, not at the shard's end
+    assert job.status == "cancelled"
+    shards = c.shards(job_id)
+    assert not [sh for sh in shards if sh.status in ("running", "queued")]
+    assert shards[victim.index].status == "cancelled"
+    # the committed shards (and the cancelled one's partial rows) are a readable dataset
+    table = pads.dataset(str(JobPaths(c.root, job_id).results_dir), format="parquet").to_table()
+    counts = Counter(table["id"].to_pylist())
+    assert set(counts.values()) == {1} and set(counts) <= {r["id"] for r in rows}
+    reasons = Counter(table["finish_reason"].to_pylist())
+    assert reasons["cancelled"] >= 1 and job.completed_requests == reasons["stop"] + reasons["length"]
+    with c.Session() as s:
+        assert job_counts(s, job_id)["completed_requests"] == job.completed_requests
+    assert not list(JobPaths(c.root, job_id).tmp_dir.glob("*"))
+    assert w.poll() is None  # the worker is still there for other jobs
+
+
+# --- SIGTERM mid-shard --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_url, cluster_factory):
+    """solo: `pipeline worker`, the shard runs in the process that gets SIGTERM; prefork:
+    it runs in a pool child, which the parent tells with SIGUSR2."""
+    c = cluster_factory(sqlite_url)
+    rows = warm_then_long("t", 6, 6)
+    start = (lambda: c.start_worker()) if pool == "solo" else (lambda: c.start_worker("workers.app", "prefork"))
+    a, b = start(), start()
+    job_id = c.submit(rows, shard_size=3)
+    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    proc = c.wait_for("the victim's worker process", lambda: _owner(victim, [a, b]), timeout=5)
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    proc.wait(timeout=60)
+    took = time.monotonic() - start
+    assert took < 30  # a step, the release and Celery's own shutdown; not the rest of the shard
+    # released at the next step: its shard is queued again (or already taken by the other worker)
+    shard = c.shards(job_id)[victim.index]
+    assert shard.releases == 1 and not (shard.status == "running" and shard.attempt == victim.attempt)
+    assert "'released'" in c.log(proc)
+    job = c.wait_until_ended(job_id)
+    assert job.status == "completed" and job.completed_requests == len(rows)
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    shard = c.shards(job_id)[victim.index]
+    # the release gave its attempt back: attempts used = attempt - releases
+    assert shard.status == "completed" and shard.releases == 1 and shard.attempt - shard.releases == victim.attempt
+    assert proc.returncode == 0, c.log(proc)
+    print(f"warm shutdown took {took:.1f} s")
+
+
+def _owner(shard, procs):
+    """The worker process (a prefork pool's parent) that runs shard."""
+    pid = int(shard.worker.rsplit(":", 1)[1])
+    for proc in procs:
+        if proc.pid == pid or str(pid) in _children(proc.pid):
+            return proc
+    return None
+
+
+def _children(pid: int) -> list[str]:
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return []
+
+
+# --- pickle refused ---------------------------------------------------------------------------
+
+class _MakeDirOnUnpickle:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+def test_a_pickle_message_is_refused_and_the_worker_keeps_going(sqlite_url, cluster_factory, tmp_path):
+    c = cluster_factory(sqlite_url)
+    w = c.start_worker()
+    marker = tmp_path / "pwned"
+    from workers.app import app
+
+    body = pickle.dumps(((_MakeDirOnUnpickle(str(marker)), 0), {}, {}))
+    task_id = str(uuid.uuid4())
+    with app.connection_for_write(c.broker_url) as conn, conn.Producer() as producer:
+        producer.publish(body, routing_key=c.queue, exchange="", content_type="application/x-python-serialize",
+                         content_encoding="binary",
+                         headers={"lang": "py", "task": "pipeline.run_shard", "id": task_id, "root_id": task_id,
+                                  "argsrepr": "(...)", "kwargsrepr": "{}"},
+                         declare=[])
+    refusal = "Refusing to deserialize untrusted content of type pickle"
+    c.wait_for("the refusal in the worker log", lambda: refusal in c.log(w), timeout=60)
+    assert "The message has been ignored and discarded" in c.log(w)
+    rows = [{"id": "after", "prompt": "Hi", "max_tokens": 2}]
+    job_id = c.submit(rows, shard_size=1)
+    assert c.wait_until_ended(job_id).status == "completed"
+    c.assert_exactly_once(job_id, ["after"])
+    assert not marker.exists() and w.poll() is None
+    assert redis.Redis.from_url(c.broker_url).llen(c.queue) == 0  # not left to be redelivered forever
+
+
+# --- hostile input ----------------------------------------------------------------------------
+
+def test_hostile_input_is_rejected_and_ids_never_become_paths(data_root, tmp_path, tiny_model_dir):
+    runner = CliRunner()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [
+        {"id": "x" * 600, "prompt": "Hi"},  # id over Limits.max_id_chars
+        {"id": "deep", "prompt": "Hi", "stop": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
+        "{not json",
+        {"id": "dup", "prompt": "Hi"}, {"id": "dup", "prompt": "Hi"},
+    ])
+    result = runner.invoke(main, ["run", str(bad), "--model", str(tiny_model_dir)])
+    assert result.exit_code == 2
+    for line in ("line 1", "line 2", "line 3", "line 5"):
+        assert line in result.output
+    assert "nothing was submitted" in result.output and not (data_root / "jobs").exists()
+    result = runner.invoke(main, ["submit", str(bad)])  # the same report before anything is queued
+    assert result.exit_code == 2 and "line 3" in result.output and not (data_root / "jobs").exists()
+    for command in (["status", "../../etc"], ["results", "../x"], ["cancel", "job_/../../x"], ["retry", ".."]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 2 and "invalid job id" in result.output, (command, result.output)
+    # a request id that looks like a path is just data
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"id": "../../etc/passwd", "prompt": "Hi", "max_tokens": 2}])
+    result = runner.invoke(main, ["run", str(ok), "--model", str(tiny_model_dir), "--kv-cache-gib", "0.05"])
+    assert result.exit_code == 0, result.output
+    files = {p.relative_to(data_root).as_posix() for p in data_root.rglob("*") if p.is_file()}
+    assert all(f.startswith("jobs/job_") or f.startswith("ledger.sqlite") for f in files), files
+    (job_dir,) = (data_root / "jobs").iterdir()
+    assert read_results(job_dir / "results")["id"].to_pylist() == ["../../etc/passwd"]
+
+
+def test_jobs_and_recovery_import_neither_celery_nor_torch():
+    code = ("import sys, jobs.submission, jobs.finalize, jobs.ledger, workers.recovery; "
+            "print(sorted({'celery', 'torch'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert done.stdout.strip() == "[]"
+
+
+# --- recovery in-process: the reaper's error rows, orphans, a dead finalizer --------------------
+
+def test_recover_pass_reaps_fails_and_finalizes(db_url, data_root, tmp_path):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from jobs.ledger import Job, Shard, claim_shard, request_cancel, try_finalize, utcnow
+    from workers.recovery import recover
+
+    engine = make_engine(db_url)
+    Session = session_factory(engine)
+    sent: list[tuple[str, int]] = []
+    pass_ = dict(max_attempts=2, queued_grace_s=5, enqueue=sent.extend, backlog=lambda: 0)
+    try:
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(5)])
+        job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=2)[0]
+        past = utcnow() - timedelta(seconds=60)
+        with Session() as s:
+            for index in (0, 1):  # shard 0: one attempt used, shard 1: both
+                for _ in range(index + 1):
+                    s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == index)
+                              .values(status="queued"))
+                    s.commit()
+                    assert claim_shard(s, job_id, index, "dead-worker:1", 60, 2)
+            s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index.in_((0, 1)))
+                      .values(lease_expires_at=past))
+            s.execute(update(Job).where(Job.id == job_id).values(created_at=past))
+            s.commit()
+        # a stale tmp file of the dead attempt of shard 0
+        jp = JobPaths(data_root, job_id)
+        jp.tmp_dir.mkdir(parents=True)
+        jp.tmp_result(0, 1).write_bytes(b"partial")
+        report = recover(Session, data_root, **pass_)
+        assert report["requeued"] == [(job_id, 0)] and report["exhausted"] == [(job_id, 1)]
+        assert sorted(sent) == [(job_id, 0), (job_id, 2)] and report["reenqueued"] == [(job_id, 2)]
+        assert report["tmp_removed"] == 1 and not list(jp.tmp_dir.glob("*"))
+        rows = read_results(jp.results_dir).to_pylist()
+        assert [r["id"] for r in rows] == ["r2", "r3"] and {r["finish_reason"] for r in rows} == {"error"}
+        assert all(r["attempt"] == 2 and "2 attempts" in r["error"] for r in rows)
+        with Session() as s:
+            shards = get_shards(s, job_id)
+            assert [(sh.status, sh.failed_requests) for sh in shards] == [("queued", 0), ("failed", 2), ("queued", 0)]
+        # the reconciler does not send the same shard again within the grace period, nor while the queue is busy
+        sent.clear()
+        assert recover(Session, data_root, **pass_)["reenqueued"] == [] and sent == []
+        # cancel while shard 2 runs; its worker dies: the reaper requeues it, it is cancelled, the job ends
+        with Session() as s:
+            assert claim_shard(s, job_id, 2, "dead-worker:2", 60, 2) == 1
+            assert request_cancel(s, job_id)  # cancels the queued shard 0 at once
+            s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == 2).values(lease_expires_at=past))
+            s.commit()
+        report = recover(Session, data_root, **pass_)
+        assert report["requeued"] == [(job_id, 2)] and report["cancelled"] == [(job_id, 2)]
+        assert report["finalized"] == [job_id]
+        with Session() as s:
+            job = get_job(s, job_id)
+            assert (job.status, job.failed_requests) == ("cancelled", 2)
+            assert [sh.status for sh in get_shards(s, job_id)] == ["cancelled", "failed", "cancelled"]
+        # a finalizer that died after claiming: finished again once its claim is stale
+        job2 = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=5)[0]
+        with Session() as s:
+            s.execute(update(Shard).where(Shard.job_id == job2).values(status="cancelled"))
+            s.commit()
+            assert try_finalize(s, job2)
+            s.execute(update(Job).where(Job.id == job2).values(finalizing_at=past))
+            s.commit()
+        assert recover(Session, data_root, **pass_, finalize_grace_s=30)["finalized"] == [job2]
+        with Session() as s:
+            assert get_job(s, job2).status == "completed"
+    finally:
+        engine.dispose()
+
+
+def test_pipeline_recover_ends_a_job_whose_worker_died_on_its_last_attempt(data_root, tmp_path):
+    """`pipeline recover` (one pass, for cron): no worker is left to reap the shard."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from jobs.ledger import Shard, claim_shard, utcnow
+
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    Session = session_factory(engine)
+    queue = f"pipeline-ft-{uuid.uuid4().hex[:8]}"
+    try:
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(3)])
+        job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=3)[0]
+        with Session() as s:
+            assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
+            s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
+            s.commit()
+        env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": url,
+               "PIPELINE_QUEUE": queue, "PIPELINE_MAX_ATTEMPTS": "1"}
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "recover"], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["exhausted"] == [[job_id, 0]] and report["finalized"] == [job_id]
+        with Session() as s:
+            job = get_job(s, job_id)
+        assert (job.status, job.completed_requests, job.failed_requests) == ("completed", 0, 3)
+        errors = read_results(JobPaths(data_root, job_id).results_dir)["error"].to_pylist()
+        assert len(errors) == 3 and all("gone:1" in e for e in errors)
+        env["PIPELINE_BROKER_URL"] = "redis://127.0.0.1:1/0"  # nothing listens there
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "recover"], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 3 and "cannot reach the broker" in done.stderr
+    finally:
+        engine.dispose()
+        _drop_queue(BROKER_URL, queue)
+
+
+# --- soak ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_soak_exactly_once_while_workers_keep_dying(sqlite_url, cluster_factory):
+    """Thousands of tiny requests while a worker is SIGKILLed (or SIGTERMed) every few
+    seconds and replaced; at the end every id is there exactly once.
+
+    Not run by default (pyproject deselects `slow`); run it with
+    `python -m pytest -m slow tests/test_fault_tolerance.py`. Takes a few minutes.
+    """
+    c = cluster_factory(sqlite_url, PIPELINE_MAX_ATTEMPTS=50)
+    rows = [{"id": f"s{i:05d}", "prompt": f"Item {i}", "max_tokens": 8, "ignore_eos": True} for i in range(3000)]
+    workers = [c.start_worker() for _ in range(2)]
+    job_id = c.submit(rows, shard_size=25)
+    rng = random.Random(0)
+    deadline = time.monotonic() + 1200
+    kills = 0
+    while not c.job(job_id).finished_at:
+        assert time.monotonic() < deadline, c.all_logs()
+        time.sleep(rng.uniform(3, 8))
+        i = rng.randrange(len(workers))
+        (workers[i].kill if rng.random() < 0.7 else workers[i].terminate)()
+        workers[i].wait(timeout=60)
+        kills += 1
+        workers[i] = c.start_worker()
+    job = c.job(job_id)
+    assert job.status == "completed" and job.completed_requests == len(rows)
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    shards = c.shards(job_id)
+    assert kills >= 3 and any(sh.attempt - sh.releases > 1 for sh in shards)  # some kills hit a shard
+    print(f"{kills} kills; {sum(sh.attempt for sh in shards)} attempts for {len(shards)} shards, "
+          f"{sum(sh.releases for sh in shards)} released")

@@ -1,0 +1,298 @@
+"""Recovery: the reaper and the reconciler that make "nothing lost" hold.
+
+Celery on Redis delivers at least once, and the ledger turns that into exactly-once
+results (claim with attempt + lease, fenced commit). What remains is the shards that
+nobody is working on any more although they are not finished:
+
+* a worker died mid-shard (SIGKILL, OOM, power): its lease expires. The reaper
+  (ledger.expired_shards) puts the shard back to queued and re-enqueues it; once its
+  attempts are used up it writes one error row per request instead, commits the shard
+  as failed and finalizes the job, so the job still ends with every request answered;
+* the broker lost messages (Redis restarted without persistence, a publish that failed):
+  shards stay queued with no message. The reconciler re-enqueues shards queued longer
+  than a grace period, at most once per grace period for all reconcilers together
+  (ledger.touch_queued), and only while the broker's queue is empty, so a long queue
+  of shards that are merely waiting is not flooded with duplicates. Duplicates are
+  harmless anyway: claiming is conditional;
+* a job whose shards all ended but whose finalizer died is finalized here;
+  shards of a cancelling job that went back to queued are cancelled;
+* result files of attempts that can never commit are removed from results/_tmp.
+
+`recover` is one pass. Every worker runs it every PIPELINE_RECOVERY_INTERVAL seconds
+(default 30; 0 turns it off) in a daemon thread of its main process (started on Celery's
+worker_ready signal; it never builds an engine), and `pipeline recover` runs one pass
+(for cron, or with no worker left). Passes in many processes at once are safe: every
+step is a conditional ledger update that one caller wins.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs import ledger, paths as job_paths_mod
+from jobs.finalize import finalize_job, refinalize_job
+from jobs.ledger import ShardStatus
+from jobs.paths import JobPaths
+from workers.shard_runner import commit_error_rows
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 30.0
+DEFAULT_QUEUED_GRACE_S = 60.0
+DEFAULT_FINALIZE_GRACE_S = 300.0
+_TMP_NAME = re.compile(r"shard-(\d+)\.attempt-(\d+)(\.reaper)?\.parquet")
+
+Enqueue = Callable[[list[tuple[str, int]]], None]
+
+
+def recover(
+    Session: sessionmaker[Session], root, *, max_attempts: int, queued_grace_s: float,
+    enqueue: Enqueue | None = None, backlog: Callable[[], int] | None = None,
+    lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
+    worker_name: str | None = None,
+) -> dict:
+    """One recovery pass over the whole ledger; returns what it did.
+
+    enqueue(shards) sends one task per (job_id, index) (default: the Celery app's
+    broker); backlog() is the number of messages waiting in the broker's queue (default:
+    the length of the app's Redis queue) — the reconciler only runs when it is 0.
+    An enqueue that fails (broker down) is logged and left to a later pass: the shards
+    are queued in the ledger, so the reconciler finds them.
+
+    The report: requeued (expired leases, re-enqueued), exhausted (committed as failed
+    with error rows), cancelled (queued shards of cancelling jobs), reenqueued
+    (reconciled), finalized (job ids), tmp_removed (files), errors (messages).
+    """
+    enqueue = enqueue or enqueue_shards
+    backlog = backlog or broker_backlog
+    worker_name = worker_name or f"reaper@{socket.gethostname()}:{os.getpid()}"
+    report: dict = {"requeued": [], "exhausted": [], "cancelled": [], "reenqueued": [],
+                    "finalized": [], "tmp_removed": 0, "errors": []}
+    touched: set[str] = set()
+
+    # (a) the reaper
+    with Session() as s:
+        requeued, exhausted = ledger.expired_shards(s, max_attempts)
+    report["requeued"] = requeued
+    touched.update(job_id for job_id, _ in requeued)
+    if requeued:
+        with Session() as s:  # queued as of now: no reconciler re-sends them within the grace period
+            for job_id, index in requeued:
+                ledger.touch_queued(s, job_id, index, 0)
+    _send(enqueue, requeued, report)
+    for job_id, index in exhausted:
+        try:
+            if _fail_exhausted(Session, root, job_id, index, max_attempts, worker_name, lease_s):
+                report["exhausted"].append((job_id, index))
+                touched.add(job_id)
+        except Exception as e:  # one broken shard must not stop the pass
+            log.exception("recovery: failing exhausted shard %s/%d failed", job_id, index)
+            report["errors"].append(f"{job_id}/{index}: {type(e).__name__}: {e}")
+
+    # shards that went back to queued in a cancelling job can never run: cancel them
+    with Session() as s:
+        report["cancelled"] = ledger.cancel_orphaned_shards(s)
+    touched.update(job_id for job_id, _ in report["cancelled"])
+
+    # (b) the reconciler
+    try:
+        waiting = backlog()
+    except Exception as e:
+        waiting = None
+        report["errors"].append(f"reading the broker's queue length failed: {type(e).__name__}: {e}")
+    if waiting == 0:
+        with Session() as s:
+            lost = [(job_id, index) for job_id, index in ledger.queued_shards(s, older_than_s=queued_grace_s)
+                    if ledger.touch_queued(s, job_id, index, queued_grace_s)]
+        report["reenqueued"] = lost
+        _send(enqueue, lost, report)
+
+    # (c) jobs nobody finalized: shards all ended, or a finalizer that died half-way
+    with Session() as s:
+        candidates = sorted(touched | set(ledger.unfinalized_jobs(s)))
+        stale = ledger.stale_finalizing_jobs(s, finalize_grace_s)
+    for job_id in candidates:
+        if _guard(report, job_id, finalize_job, Session, root, job_id):
+            report["finalized"].append(job_id)
+    for job_id in stale:
+        if _guard(report, job_id, refinalize_job, Session, root, job_id, finalize_grace_s):
+            report["finalized"].append(job_id)
+
+    # leftovers of attempts that can never commit
+    with Session() as s:
+        active = ledger.active_jobs(s)
+    for job_id in sorted(set(active) | touched | set(report["finalized"])):
+        report["tmp_removed"] += _guard(report, job_id, sweep_tmp, Session, root, job_id) or 0
+    return report
+
+
+def sweep_tmp(Session: sessionmaker[Session], root, job_id: str) -> int:
+    """Delete the job's results/_tmp files of attempts that can no longer commit.
+
+    A worker attempt's file can commit only while its attempt is the shard's current one
+    and the shard is running; a reaper's file only while the shard is running. (A file
+    deleted under a racing writer only makes that writer's commit fail; it cannot make a
+    wrong one succeed.) Returns the number of files removed.
+    """
+    tmp_dir = JobPaths(root, job_id).tmp_dir
+    if not tmp_dir.is_dir():
+        return 0
+    files = [(p, _TMP_NAME.fullmatch(p.name)) for p in tmp_dir.iterdir()]
+    files = [(p, m) for p, m in files if m]
+    if not files:
+        return 0
+    with Session() as s:
+        shards = {sh.index: sh for sh in ledger.get_shards(s, job_id)}
+    removed = 0
+    for path, match in files:
+        shard = shards.get(int(match[1]))
+        attempt, by_reaper = int(match[2]), match[3] is not None
+        running = shard is not None and shard.status == ShardStatus.RUNNING
+        live = running and (by_reaper or attempt == shard.attempt)
+        if shard is None or attempt > shard.attempt or live:
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, worker: str, lease_s: float) -> bool:
+    """Commit an exhausted shard as failed with an error row per request; True if this call did."""
+    with Session() as s:
+        shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
+        if shard is None or shard.status != ShardStatus.RUNNING:
+            return False
+        attempt, last_worker = shard.attempt, shard.worker
+        if not ledger.take_over_expired(s, job_id, index, attempt, worker, lease_s):
+            return False  # another reaper, or the worker came back to life
+    error = (f"the shard's worker stopped responding on each of its {max_attempts} attempts "
+             f"(last: {last_worker}); the shard is given up")
+    log.warning("recovery: shard %s/%d: %s", job_id, index, error)
+    tmp = JobPaths(root, job_id).tmp_dir / f"shard-{index:05d}.attempt-{attempt}.reaper.parquet"
+    try:
+        return commit_error_rows(Session, root, job_id, index, attempt, error, tmp_path=tmp)
+    except (OSError, ValueError) as e:  # the input shard is gone or unreadable: no rows to write
+        with Session() as s:
+            return ledger.fail_shard(s, job_id, index, attempt, f"{error}; reading its input failed: {e}")
+
+
+def _send(enqueue: Enqueue, shards: list[tuple[str, int]], report: dict) -> None:
+    if not shards:
+        return
+    try:
+        enqueue(shards)
+    except Exception as e:  # the shards are queued in the ledger: the reconciler sends them later
+        log.warning("recovery: enqueueing %d shard(s) failed: %s", len(shards), e)
+        report["errors"].append(f"enqueueing {len(shards)} shard(s) failed: {type(e).__name__}: {e}")
+
+
+def _guard(report: dict, job_id: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        log.exception("recovery: %s(%s) failed", fn.__name__, job_id)
+        report["errors"].append(f"{job_id}: {fn.__name__}: {type(e).__name__}: {e}")
+        return None
+
+
+# --- the broker side (Celery, Redis) --------------------------------------------------------
+
+def enqueue_shards(shards: Iterable[tuple[str, int]], url: str | None = None) -> None:
+    """Send one shard task per (job_id, index) to the broker (default: the app's)."""
+    from workers.tasks import run_shard_task
+    from workers.app import app
+
+    shards = list(shards)
+    with app.connection_for_write(url or app.conf.broker_url) as conn, conn.Producer() as producer:
+        for job_id, index in shards:
+            run_shard_task.apply_async((job_id, index), producer=producer)
+
+
+def broker_backlog(url: str | None = None, queue: str | None = None) -> int:
+    """Messages waiting in the app's Redis queue (not those delivered and unacknowledged)."""
+    import redis
+
+    from workers.app import app
+
+    client = redis.Redis.from_url(url or app.conf.broker_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        return int(client.llen(queue or app.conf.task_default_queue))
+    finally:
+        client.close()
+
+
+@functools.cache
+def _session_factory():
+    # The recovery thread's own pool, never the tasks' (and dropped in forked children).
+    return ledger.session_factory(ledger.make_engine(job_paths_mod.database_url()))
+
+
+def interval_from_env() -> float:
+    return float(os.environ.get("PIPELINE_RECOVERY_INTERVAL") or DEFAULT_INTERVAL_S)
+
+
+def queued_grace_from_env() -> float:
+    return float(os.environ.get("PIPELINE_QUEUED_GRACE_SECONDS") or DEFAULT_QUEUED_GRACE_S)
+
+
+class RecoveryThread:
+    """Runs `recover` every interval_s seconds in a daemon thread until stop()."""
+
+    def __init__(self, interval_s: float, **recover_kwargs):
+        self.interval_s = interval_s
+        self.recover_kwargs = recover_kwargs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipeline-recovery", daemon=True)
+
+    def start(self) -> "RecoveryThread":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                report = recover(_session_factory(), job_paths_mod.data_root(), **self.recover_kwargs)
+            except Exception:  # the database is away: try again next time
+                log.exception("recovery pass failed")
+                continue
+            done = {k: v for k, v in report.items() if v and k != "errors"}
+            if done:
+                log.info("recovery: %s", done)
+            for error in report["errors"]:
+                log.warning("recovery: %s", error)
+
+
+_thread: RecoveryThread | None = None
+
+
+def start_thread(*, max_attempts: int, lease_s: float, worker_name: str | None = None) -> RecoveryThread | None:
+    """Start this process's recovery thread (once) unless PIPELINE_RECOVERY_INTERVAL is 0."""
+    global _thread
+    interval = interval_from_env()
+    if _thread is not None or interval <= 0:
+        return _thread
+    _thread = RecoveryThread(interval, max_attempts=max_attempts, queued_grace_s=queued_grace_from_env(),
+                             lease_s=lease_s, worker_name=worker_name).start()
+    log.info("recovery thread started: a pass every %.3g s", interval)
+    return _thread
+
+
+def stop_thread() -> None:
+    if _thread is not None:
+        _thread.stop()
+
+
+def forget_pool_after_fork() -> None:
+    """In a forked child: drop the parent's ledger connections without closing them."""
+    if _session_factory.cache_info().currsize:
+        _session_factory().kw["bind"].dispose(close=False)
