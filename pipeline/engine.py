@@ -104,7 +104,7 @@ class Engine:
                     if request is None:
                         exhausted = True
                         break
-                    seq, error = self._admit(request)
+                    error = self._admit(request)
                     if error is not None:
                         yield error
                 if self.scheduler.num_unfinished == 0:
@@ -121,19 +121,20 @@ class Engine:
             if self.scheduler.num_unfinished:
                 self.scheduler.abort_all()
 
-    def _admit(self, request: Request) -> tuple[Sequence | None, RequestOutput | None]:
+    def _admit(self, request: Request) -> RequestOutput | None:
+        """Queue a request; a request that can never run gets its error result instead."""
         arrival = time.perf_counter()
         try:
             prompt_ids = self.tokenize(request)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
-            return None, _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
+            return _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
         seq = Sequence(request.id, prompt_ids, request.params,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival)
         error = self.scheduler.admission_error(seq)
         if error is not None:
-            return None, _error_output(request.id, error, len(prompt_ids), arrival)
+            return _error_output(request.id, error, len(prompt_ids), arrival)
         self.scheduler.add(seq)
-        return seq, None
+        return None
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""

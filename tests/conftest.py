@@ -105,3 +105,23 @@ def tiny_model_dir(tmp_path_factory, bundled_model_dir):
         if (bundled_model_dir / name).exists():
             shutil.copy(bundled_model_dir / name, out / name)
     return out
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+@pytest.fixture
+def runner():
+    from click.testing import CliRunner
+    return CliRunner()
+
+
+@pytest.fixture
+def Session(data_root):
+    """Sessions on the data root's default SQLite ledger (migrated), as the CLI uses it."""
+    from jobs.ledger import ensure_schema
+    from jobs.paths import default_database_url
+
+    ensure_schema(default_database_url(data_root))
+    engine = make_engine(default_database_url(data_root))
+    yield session_factory(engine)
+    engine.dispose()

@@ -5,11 +5,10 @@ import json
 import socket
 
 import pytest
-from click.testing import CliRunner
 from openai.types import Batch
 
-from jobs.ledger import ensure_schema, get_job, get_shards, list_jobs, make_engine, session_factory
-from jobs.paths import JobPaths, default_database_url
+from jobs.ledger import get_job, get_shards, list_jobs
+from jobs.paths import JobPaths
 from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
@@ -28,20 +27,6 @@ def requests(n=5):
     rows.append({"id": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "seed": 7})
     rows.append({"id": "too-long", "prompt": "word " * 600, "max_tokens": 2})  # > 512 positions
     return rows
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
-
-
-@pytest.fixture
-def Session(data_root):
-    """Sessions on the data root's default SQLite ledger (migrated)."""
-    ensure_schema(default_database_url(data_root))
-    engine = make_engine(default_database_url(data_root))
-    yield session_factory(engine)
-    engine.dispose()
 
 
 @pytest.fixture

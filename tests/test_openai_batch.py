@@ -7,24 +7,22 @@ the same text whichever input format or path they came in by.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import uuid
 
 import pytest
 import redis
-from click.testing import CliRunner
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
-from jobs.ledger import ensure_schema, get_job, list_jobs, make_engine, session_factory, upgrade
+from jobs.ledger import get_job, list_jobs, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id, default_database_url
 from jobs.results import read_results
+from worker_process import worker
 from pipeline.cli import main
 
 CHAT = "/v1/chat/completions"
@@ -89,20 +87,6 @@ def completions_pipeline(path):
 
 
 # ---- helpers --------------------------------------------------------------------------------
-
-@pytest.fixture
-def runner():
-    return CliRunner()
-
-
-@pytest.fixture
-def Session(data_root):
-    """Sessions on the data root's default SQLite ledger (migrated)."""
-    ensure_schema(default_database_url(data_root))
-    engine = make_engine(default_database_url(data_root))
-    yield session_factory(engine)
-    engine.dispose()
-
 
 def run_job(runner, src, model_dir) -> str:
     """`pipeline run` on the tiny model; returns the job id it reported."""
@@ -179,23 +163,6 @@ def pipeline_env(data_dir, db_url) -> dict:
 def cli(env, *args, timeout=WAIT_S) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-@contextlib.contextmanager
-def worker(env, log_path):
-    """A `pipeline worker` subprocess, always stopped afterwards (warm, then forced)."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def submit_and_wait(env, src, model_dir) -> str:

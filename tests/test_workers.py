@@ -2,10 +2,8 @@
 on SQLite and PostgreSQL ledgers: `pipeline submit --wait`, then the ledger and the results."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -16,6 +14,7 @@ import redis
 from jobs.ledger import get_job, get_shards, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id
 from jobs.results import read_results
+from worker_process import worker
 
 BROKER_URL = "redis://127.0.0.1:6379/0"
 QUEUE = f"pipeline-test-{uuid.uuid4().hex[:8]}"  # this session's own queue: no stray messages cross
@@ -32,23 +31,6 @@ def drop_queue():
 def pipeline_env(data_root, db_url) -> dict:
     return {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": db_url,
             "PIPELINE_BROKER_URL": BROKER_URL, "PIPELINE_QUEUE": QUEUE}
-
-
-@contextlib.contextmanager
-def worker(env, log_path):
-    """A `pipeline worker` subprocess, always stopped afterwards (warm, then forced)."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def submit_and_wait(env, src, *args) -> str:
