@@ -41,9 +41,9 @@ from jobs.paths import JobPaths, check_job_id, default_database_url
 from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
+from worker_process import BROKER_URL, drop_queue
 
 REPO = Path(__file__).resolve().parent.parent
-BROKER_URL = "redis://127.0.0.1:6379/0"
 LEASE_S = 3
 WAIT_S = 150  # the longest any one wait may take before the test fails (a loaded 2-core box)
 FAST = {"kv_cache_gib": 0.05}
@@ -120,7 +120,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        _drop_queue(self.broker_url, self.queue)
+        drop_queue(self.queue, self.broker_url)
         self.engine.dispose()
 
     # jobs
@@ -203,19 +203,6 @@ class Cluster:
         assert all(attempts[r["shard"]] == r["attempt"] for r in table.select(["shard", "attempt"]).to_pylist())
         assert not list(jp.tmp_dir.glob("*")), list(jp.tmp_dir.glob("*"))
         return table
-
-
-def _drop_queue(broker_url: str, queue: str) -> None:
-    """The queue, its bindings, and any message of it still held as unacknowledged."""
-    with contextlib.suppress(redis.RedisError):
-        client = redis.Redis.from_url(broker_url, socket_connect_timeout=2)
-        client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
-        for tag, raw in client.hscan_iter("unacked"):
-            with contextlib.suppress(ValueError, TypeError):
-                if json.loads(raw)[2] == queue:
-                    client.hdel("unacked", tag)
-                    client.zrem("unacked_index", tag)
-        client.close()
 
 
 @pytest.fixture
@@ -693,7 +680,7 @@ def test_pipeline_recover_ends_a_job_whose_worker_died_on_its_last_attempt(data_
         assert done.returncode == 3 and "cannot reach the broker" in done.stderr
     finally:
         engine.dispose()
-        _drop_queue(BROKER_URL, queue)
+        drop_queue(queue)
 
 
 # --- soak ---------------------------------------------------------------------------------------

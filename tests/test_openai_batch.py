@@ -22,13 +22,12 @@ from openai.types.chat import ChatCompletion
 from jobs.ledger import get_job, list_jobs, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id, default_database_url
 from jobs.results import read_results
-from worker_process import worker
+from worker_process import BROKER_URL, drop_queue, worker
 from pipeline.cli import main
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 FAST = ["--kv-cache-gib", "0.05"]
-BROKER_URL = "redis://127.0.0.1:6379/0"
 QUEUE = f"pipeline-test-openai-{uuid.uuid4().hex[:8]}"  # this module's own queue
 WAIT_S = 180
 MAX_TOKENS = 16
@@ -150,9 +149,9 @@ def test_completions_batch_gives_the_same_answers_as_the_pipeline_format(runner,
 # ---- through a real worker ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
-def drop_queue():
+def queue_dropped_at_end():
     yield
-    redis.Redis.from_url(BROKER_URL).delete(QUEUE, f"_kombu.binding.{QUEUE}", f"_kombu.binding_permanent.{QUEUE}")
+    drop_queue(QUEUE)
 
 
 def pipeline_env(data_dir, db_url) -> dict:

@@ -9,23 +9,20 @@ import sys
 import uuid
 
 import pytest
-import redis
 
 from jobs.ledger import get_job, get_shards, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id
 from jobs.results import read_results
-from worker_process import worker
+from worker_process import BROKER_URL, drop_queue, worker
 
-BROKER_URL = "redis://127.0.0.1:6379/0"
 QUEUE = f"pipeline-test-{uuid.uuid4().hex[:8]}"  # this session's own queue: no stray messages cross
 WAIT_S = 180
 
 
 @pytest.fixture(scope="session", autouse=True)
-def drop_queue():
+def queue_dropped_at_end():
     yield
-    # The queue and kombu's bindings of it.
-    redis.Redis.from_url(BROKER_URL).delete(QUEUE, f"_kombu.binding.{QUEUE}", f"_kombu.binding_permanent.{QUEUE}")
+    drop_queue(QUEUE)
 
 
 def pipeline_env(data_root, db_url) -> dict:
