@@ -9,7 +9,8 @@ each head's keys contiguously, so a gathered block is directly a batch of small
 matrices for bmm. Decoding attends block by block over exactly the blocks each
 sequence owns (no padding to the longest sequence) and combines the blocks with a
 per-sequence softmax, as flash-decoding does: on a CPU the memory traffic of
-gathering keys, not the arithmetic, is what costs.
+gathering keys, not the arithmetic, is what costs. On a CPU in float32 the hand-written
+kernel in pipeline/kernels reads the blocks in place instead, without any gathered copy.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pipeline import kernels
 
 
 @dataclass(slots=True)
@@ -29,12 +32,46 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeLayout:
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32, each decoding sequence's blocks (0-padded)
+    context_lens: torch.Tensor  # [seqs] int32, the tokens each one attends to (its new one included)
+    # The same, flattened for the PyTorch path:
     block_ids: torch.Tensor    # [n] every block read by a decoding sequence, sequence by sequence
     owner: torch.Tensor        # [n] which decoding sequence (row) each block belongs to
     padded_index: torch.Tensor # [n] owner * max_blocks + the block's index within its sequence
     mask: torch.Tensor | None  # [n, 1, 1, block_size] additive: -inf past a sequence's length
     num_seqs: int
     max_blocks: int
+
+    @classmethod
+    def build(cls, tables: list[list[int]], lens: list[int], block_size: int,
+              device: torch.device, dtype: torch.dtype) -> "DecodeLayout":
+        """From each decoding sequence's block table and context length."""
+        bs = block_size
+        block_ids: list[int] = []
+        owner: list[int] = []
+        padded_index: list[int] = []
+        tails: list[int] = []    # valid tokens in each block
+        max_blocks = -(-max(lens) // bs)
+        for row, (table, length) in enumerate(zip(tables, lens)):
+            num_blocks = -(-length // bs)
+            block_ids.extend(table[:num_blocks])
+            owner.extend([row] * num_blocks)
+            padded_index.extend(range(row * max_blocks, row * max_blocks + num_blocks))
+            tails.extend([bs] * (num_blocks - 1) + [length - (num_blocks - 1) * bs])
+        mask = None
+        if min(tails) < bs:   # hide the unused tail of each sequence's last block
+            valid = torch.tensor(tails, device=device).unsqueeze(1)
+            offsets = torch.arange(bs, device=device).unsqueeze(0)
+            mask = torch.zeros(len(tails), bs, device=device, dtype=dtype)
+            mask.masked_fill_(offsets >= valid, float("-inf"))
+            mask = mask.view(len(tails), 1, 1, bs)
+        padded_tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
+        return cls(block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+                   context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                   block_ids=torch.tensor(block_ids, device=device),
+                   owner=torch.tensor(owner, device=device),
+                   padded_index=torch.tensor(padded_index, device=device), mask=mask,
+                   num_seqs=len(tables), max_blocks=max_blocks)
 
     def per_seq(self, x: torch.Tensor, fill: float) -> torch.Tensor:
         """Per-block values x [n, ...] laid out as [seqs, max_blocks, ...] (gaps = fill),
@@ -95,6 +132,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      layout: DecodeLayout, scale: float) -> torch.Tensor:
     """One query token per sequence against its own blocks. q: [seqs, heads, head_dim]."""
+    if kernels.can_run_paged_decode_attention(q, k_cache):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, layout.block_tables,
+                                              layout.context_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, layout, scale)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           layout: DecodeLayout, scale: float) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

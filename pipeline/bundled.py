@@ -16,9 +16,13 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def cache_root() -> Path:
+    """Where the pipeline keeps what it builds once: converted models, compiled kernels."""
+    return Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def bundled_model_dir() -> Path:

@@ -73,34 +73,8 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            decode=self._decode_layout(decode_tables, decode_lens) if decode_tables else None,
+            decode=(DecodeLayout.build(decode_tables, decode_lens, self.block_size, self.device,
+                                       self.kv_cache.k.dtype) if decode_tables else None),
             prefills=prefills)
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                 meta, torch.tensor(sample_rows, device=self.device))
-
-    def _decode_layout(self, tables: list[list[int]], lens: list[int]) -> DecodeLayout:
-        """The blocks each decoding sequence reads, concatenated, and a mask hiding the
-        unused tail of each sequence's last block."""
-        bs = self.block_size
-        block_ids: list[int] = []
-        owner: list[int] = []
-        padded_index: list[int] = []
-        tails: list[int] = []    # valid tokens in each block
-        max_blocks = -(-max(lens) // bs)
-        for row, (table, length) in enumerate(zip(tables, lens)):
-            num_blocks = -(-length // bs)
-            block_ids.extend(table[:num_blocks])
-            owner.extend([row] * num_blocks)
-            padded_index.extend(range(row * max_blocks, row * max_blocks + num_blocks))
-            tails.extend([bs] * (num_blocks - 1) + [length - (num_blocks - 1) * bs])
-        mask = None
-        if min(tails) < bs:
-            valid = torch.tensor(tails, device=self.device).unsqueeze(1)
-            offsets = torch.arange(bs, device=self.device).unsqueeze(0)
-            mask = torch.zeros(len(tails), bs, device=self.device, dtype=self.kv_cache.k.dtype)
-            mask.masked_fill_(offsets >= valid, float("-inf"))
-            mask = mask.view(len(tails), 1, 1, bs)
-        return DecodeLayout(block_ids=torch.tensor(block_ids, device=self.device),
-                            owner=torch.tensor(owner, device=self.device),
-                            padded_index=torch.tensor(padded_index, device=self.device), mask=mask,
-                            num_seqs=len(tables), max_blocks=max_blocks)

@@ -140,6 +140,16 @@ def test_request_alone_matches_it_inside_the_batch(tiny_engine, batch32, rid):
     assert alone.text == outputs[rid].text
 
 
+def test_pytorch_decode_attention_gives_the_same_tokens_as_the_kernel(tiny_engine, batch32, monkeypatch):
+    """The batch ran its decodes through the C kernel; the PyTorch fallback (no compiler,
+    bfloat16, CUDA) must decode the same greedy tokens."""
+    from pipeline import kernels
+    requests, outputs, _ = batch32
+    monkeypatch.setattr(kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
+    again = run(tiny_engine, [requests[rid] for rid in ("r3", "r17", "r30")])
+    assert {rid: out.token_ids for rid, out in again.items()} == {rid: outputs[rid].token_ids for rid in again}
+
+
 @pytest.mark.parametrize("rid", ["r2", "r17", "r28"])
 def test_greedy_matches_hugging_face_on_tiny_model(batch32, hf_tiny, rid):
     """Chunked prefill (r17: 65 tokens, r28: 257 tokens over a 64-token budget) and

@@ -1,0 +1,120 @@
+"""Hand-written CPU kernels, built on first use with the system C compiler.
+
+They are plain C loaded with ctypes: no PyTorch headers, so a build takes well under a
+second, and ctypes releases the GIL while a kernel runs. The shared library is cached
+under `cache_root()/kernels`, keyed by the source, the compiler and the CPU, because it
+is built for this CPU (-march=native). Linking OpenMP by its usual soname makes the
+kernel join the OpenMP runtime PyTorch has already loaded, so both use the same threads.
+
+Where no compiler works, the kernels are None and callers take their PyTorch path;
+`PIPELINE_CPU_KERNELS=0` forces that path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pipeline.bundled import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# Tried in order: the fastest build first, then ones that more compilers accept.
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], ["-O3", "-fopenmp"], ["-O3"])
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path | None:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_fingerprint(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for flags in FLAG_SETS:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode == 0:
+            os.replace(tmp, target)   # atomic: concurrent workers never load half a file
+            return target
+        os.unlink(tmp)
+        log.info("building %s with %s failed: %s", SOURCE.name, flags, result.stderr)
+    return None
+
+
+@functools.cache   # built and loaded on first use, once per process
+def _load():
+    if os.environ.get("PIPELINE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found: decode attention uses the slower PyTorch path")
+        return None
+    try:
+        path = _build(compiler)
+        if path is None:
+            log.warning("%s could not compile %s: decode attention uses the slower PyTorch path",
+                        compiler, SOURCE.name)
+            return None
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("could not build or load the CPU kernels (%s): decode attention uses the "
+                    "slower PyTorch path", e)
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+    return fn
+
+
+def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """float32 on the CPU, head_dim a multiple of 8, and the kernel built."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+            and q.shape[-1] % 8 == 0 and _load() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [seqs, heads, head_dim]; caches [blocks, kv_heads, block_size, head_dim] (see
+    can_run_paged_decode_attention); block_tables [seqs, max_blocks] and context_lens
+    [seqs] int32. Returns [seqs, heads, head_dim]."""
+    q = q.contiguous()
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == context_lens.dtype == torch.int32
+    out = torch.empty_like(q)
+    status = _load()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+        block_size, block_tables.shape[1], scale)
+    if status == -1:
+        raise MemoryError("paged_decode_attention could not allocate its scratch memory")
+    if status != 0:
+        raise ValueError(f"paged_decode_attention does not support head_dim {head_dim}")
+    return out

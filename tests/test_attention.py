@@ -1,0 +1,82 @@
+"""Decode attention over the paged KV cache: the C kernel and the PyTorch path against a
+dense reference, and the fallback when no compiler is available."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline import kernels
+from pipeline.attention import DecodeLayout, decode_attention_torch, gather_context
+
+
+def random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens, seed=0):
+    """A shuffled block pool holding random keys/values for sequences of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_needed) + 3   # spare blocks hold garbage that must never be read
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    tables, start = [], 0
+    for n in blocks_needed:
+        tables.append(order[start:start + n])
+        start += n
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables
+
+
+def dense_reference(q, k_cache, v_cache, tables, lens, scale):
+    out = []
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        k = gather_context(k_cache, torch.tensor(table), n)      # [kv_heads, n, head_dim]
+        v = gather_context(v_cache, torch.tensor(table), n)
+        o = F.scaled_dot_product_attention(q[i].unsqueeze(1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           scale=scale, enable_gqa=True)
+        out.append(o[0, :, 0])
+    return torch.stack(out)
+
+
+SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 80), (4, 2, 16)]
+LENS = [1, 15, 16, 17, 33, 200, 2]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_attention_matches_a_dense_reference(num_heads, num_kv_heads, head_dim, block_size):
+    q, k_cache, v_cache, tables = random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, LENS)
+    scale = head_dim ** -0.5
+    expected = dense_reference(q, k_cache, v_cache, tables, LENS, scale)
+    layout = DecodeLayout.build(tables, LENS, block_size, torch.device("cpu"), torch.float32)
+
+    torch.testing.assert_close(decode_attention_torch(q, k_cache, v_cache, layout, scale), expected)
+    # q as the model passes it: a strided slice of the fused q/k tensor.
+    fused = torch.cat([q, torch.randn(len(LENS), num_kv_heads, head_dim)], dim=1)
+    got = kernels.paged_decode_attention(fused[:, :num_heads], k_cache, v_cache,
+                                         layout.block_tables, layout.context_lens, scale)
+    torch.testing.assert_close(got, expected)
+
+
+def test_the_kernel_builds_here_and_serves_cpu_float32_only():
+    """The test machine has a C compiler: the fast path must actually be the one tested."""
+    q, k_cache = torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)
+    assert kernels.can_run_paged_decode_attention(q, k_cache)
+    assert not kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache.bfloat16())
+    assert not kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 60), torch.zeros(2, 2, 16, 60))
+
+
+def test_without_a_compiler_the_pytorch_path_is_used(tmp_path):
+    """No compiler and no cached build: the kernel is unavailable, nothing fails."""
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), PIPELINE_CACHE_DIR=str(tmp_path))
+    code = ("import torch; from pipeline import kernels; "
+            "print(kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)))")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+    assert "PyTorch path" in result.stderr
