@@ -82,18 +82,23 @@ class DecodeLayout:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [tokens] block_id * block_size + offset of each new token
+    cache_rows: torch.Tensor            # [tokens * kv_heads] where each new token's keys go, see cache_rows()
     decode: DecodeLayout | None         # rows 0..decode.num_seqs-1 are single-token decodes
     prefills: list[PrefillChunk]
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-    """Store x [tokens, kv_heads, head_dim] at the tokens' slots of cache [blocks, kv_heads, bs, head_dim]."""
-    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+def cache_rows(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Rows of a layer cache viewed as [blocks * kv_heads * block_size, head_dim] that receive
+    each new token's heads; slot = block_id * block_size + offset. The same for every layer,
+    so computed once per step."""
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    heads = torch.arange(num_kv_heads, device=x.device)
-    rows = ((block.unsqueeze(1) * num_kv_heads + heads) * block_size + offset.unsqueeze(1)).reshape(-1)
-    cache.view(-1, head_dim).index_copy_(0, rows, x.reshape(-1, head_dim))
+    heads = torch.arange(num_kv_heads, device=slot_mapping.device)
+    return ((block.unsqueeze(1) * num_kv_heads + heads) * block_size + offset.unsqueeze(1)).reshape(-1)
+
+
+def write_kv(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Store x [tokens, kv_heads, head_dim] in cache [blocks, kv_heads, block_size, head_dim]."""
+    cache.view(-1, cache.shape[-1]).index_copy_(0, rows, x.reshape(-1, cache.shape[-1]))
 
 
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -107,12 +112,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
     Returns [tokens, heads, head_dim]."""
-    write_kv(k_cache, meta.slot_mapping, k)
-    write_kv(v_cache, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    write_kv(k_cache, meta.cache_rows, k)
+    write_kv(v_cache, meta.cache_rows, v)
+    out = q.new_empty(q.shape)
     if meta.decode is not None:
         b = meta.decode.num_seqs
-        out[:b] = decode_attention(q[:b], k_cache, v_cache, meta.decode, scale)
+        decode_attention(q[:b], k_cache, v_cache, meta.decode, scale, out=out[:b])
     for chunk in meta.prefills:
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)       # [1, heads, n, head_dim]
         if chunk.block_ids is None:
@@ -130,12 +135,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     layout: DecodeLayout, scale: float) -> torch.Tensor:
-    """One query token per sequence against its own blocks. q: [seqs, heads, head_dim]."""
+                     layout: DecodeLayout, scale: float, out: torch.Tensor) -> None:
+    """One query token per sequence against its own blocks, into out. q, out: [seqs, heads, head_dim]."""
     if kernels.can_run_paged_decode_attention(q, k_cache):
-        return kernels.paged_decode_attention(q, k_cache, v_cache, layout.block_tables,
-                                              layout.context_lens, scale)
-    return decode_attention_torch(q, k_cache, v_cache, layout, scale)
+        kernels.paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
+                                       scale, out=out)
+    else:
+        out.copy_(decode_attention_torch(q, k_cache, v_cache, layout, scale))
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

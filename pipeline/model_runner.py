@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.attention import AttentionMetadata, DecodeLayout, PrefillChunk
+from pipeline.attention import AttentionMetadata, DecodeLayout, PrefillChunk, cache_rows
 from pipeline.kv_cache import KVCache
 from pipeline.scheduler import ScheduledBatch
 from pipeline.sequence import Sequence
@@ -72,7 +72,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, row + n, block_ids, mask))
 
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            cache_rows=cache_rows(torch.tensor(slot_mapping, device=self.device), self.kv_cache.k.shape[2],
+                                  self.block_size),
             decode=(DecodeLayout.build(decode_tables, decode_lens, self.block_size, self.device,
                                        self.kv_cache.k.dtype) if decode_tables else None),
             prefills=prefills)

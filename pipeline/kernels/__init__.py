@@ -87,7 +87,8 @@ def _load():
         return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
+                   + [ctypes.c_float])
     return fn
 
 
@@ -98,19 +99,23 @@ def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bo
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q [seqs, heads, head_dim]; caches [blocks, kv_heads, block_size, head_dim] (see
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [seqs, heads, head_dim], each sequence's heads contiguous (a row slice of the fused
+    q/k projection is fine); caches [blocks, kv_heads, block_size, head_dim] (see
     can_run_paged_decode_attention); block_tables [seqs, max_blocks] and context_lens
-    [seqs] int32. Returns [seqs, heads, head_dim]."""
-    q = q.contiguous()
+    [seqs] int32. Writes and returns out, contiguous [seqs, heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == context_lens.dtype == torch.int32
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.is_contiguous() and out.shape == q.shape
     status = _load()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], scale)
     if status == -1:

@@ -8,7 +8,8 @@
  * for the whole group (grouped-query attention).
  *
  * Layouts (all contiguous):
- *   q, out         [num_seqs, num_heads, head_dim]
+ *   q              [num_seqs, num_heads, head_dim], sequences q_seq_stride floats apart
+ *   out            [num_seqs, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, num_kv_heads, block_size, head_dim]  (one layer)
  *   block_tables   [num_seqs, max_blocks]   int32, the blocks of each sequence in order
  *   context_lens   [num_seqs]               int32, tokens each sequence attends to
@@ -132,8 +133,8 @@ static void attend_any_multiple_of_8(const float *q, const float *k, const float
 
 /* Returns 0, -1 when scratch memory could not be allocated, -2 when head_dim is not a
  * multiple of 8 (callers check that first). */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                           const int32_t *block_tables, const int32_t *context_lens, float *out,
+int paged_decode_attention(const float *q, int64_t q_seq_stride, const float *k_cache,
+                           const float *v_cache, const int32_t *block_tables, const int32_t *context_lens, float *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int max_blocks, float scale) {
     if (head_dim % LANES != 0) return -2;
@@ -152,9 +153,10 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
             failed = 1;
             continue;
         }
-        size_t row = (size_t)s * num_heads + (size_t)h * group;
-        attend(q + row * head_dim, k_cache, v_cache, block_tables + (size_t)s * max_blocks, len,
-               out + row * head_dim, group, num_kv_heads, h, head_dim, block_size, scale, scores);
+        size_t head = (size_t)h * group * head_dim;   /* first query head of this kv head */
+        attend(q + (size_t)s * q_seq_stride + head, k_cache, v_cache, block_tables + (size_t)s * max_blocks,
+               len, out + (size_t)s * num_heads * head_dim + head, group, num_kv_heads, h, head_dim,
+               block_size, scale, scores);
         free(scores);
     }
     return failed ? -1 : 0;
