@@ -23,7 +23,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None    # None: the model's own context length
     num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
-    use_cuda_graphs: bool = True
+    # CPU float32 without quantization: hold linear weights in MKL's packed layout, packed
+    # once at load (faster decode steps; about twice the weight memory). See packed_linear.py.
+    pack_weights: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

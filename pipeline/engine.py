@@ -18,6 +18,7 @@ from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.kv_cache import KVCache
 from pipeline.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.model_runner import ModelRunner
+from pipeline.packed_linear import pack_linear_layers
 from pipeline.quantization import quantize
 from pipeline.request import Request, RequestOutput
 from pipeline.sampler import Sampler
@@ -39,6 +40,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         model, args = load_model(self.model_dir, dtype, self.device)
         self.model = quantize(model, config.quantization, self.device, dtype)
+        if config.pack_weights and config.quantization == "none":
+            pack_linear_layers(self.model)   # CPU float32 only; elsewhere it changes nothing
         self.eos_token_ids = self._eos_token_ids()
 
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
