@@ -1,13 +1,16 @@
 """Hand-written CPU kernels, built on first use with the system C compiler.
 
+paged_attention.c: decode attention reading the paged KV cache in place.
+rms_norm.c: RMSNorm with the residual addition fused in.
+
 They are plain C loaded with ctypes: no PyTorch headers, so a build takes well under a
 second, and ctypes releases the GIL while a kernel runs. The shared library is cached
 under `cache_root()/kernels`, keyed by the source, the compiler and the CPU, because it
 is built for this CPU (-march=native). Linking OpenMP by its usual soname makes the
 kernel join the OpenMP runtime PyTorch has already loaded, so both use the same threads.
 
-Where no compiler works, the kernels are None and callers take their PyTorch path;
-`PIPELINE_CPU_KERNELS=0` forces that path.
+Where no compiler works, `available()` is False and callers take their PyTorch path;
+`PIPELINE_CPU_KERNELS=0` forces that path. They serve float32 CPU tensors only.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pipeline.bundled import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c")]
 # Tried in order: the fastest build first, then ones that more compilers accept.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], ["-O3", "-fopenmp"], ["-O3"])
 
@@ -47,22 +50,22 @@ def _cpu_fingerprint() -> str:
 
 def _build(compiler: str) -> Path | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_fingerprint(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), compiler, version,
+                                    _cpu_fingerprint(), platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"pipeline-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     for flags in FLAG_SETS:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode == 0:
             os.replace(tmp, target)   # atomic: concurrent workers never load half a file
             return target
         os.unlink(tmp)
-        log.info("building %s with %s failed: %s", SOURCE.name, flags, result.stderr)
+        log.info("building the CPU kernels with %s failed: %s", flags, result.stderr)
     return None
 
 
@@ -72,30 +75,49 @@ def _load():
         return None
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found: decode attention uses the slower PyTorch path")
+        log.warning("no C compiler found: the CPU kernels are replaced by the slower PyTorch path")
         return None
     try:
         path = _build(compiler)
         if path is None:
-            log.warning("%s could not compile %s: decode attention uses the slower PyTorch path",
-                        compiler, SOURCE.name)
+            log.warning("%s could not compile the CPU kernels: using the slower PyTorch path", compiler)
             return None
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        log.warning("could not build or load the CPU kernels (%s): decode attention uses the "
-                    "slower PyTorch path", e)
+        log.warning("could not build or load the CPU kernels (%s): using the slower PyTorch path", e)
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
-                   + [ctypes.c_float])
-    return fn
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
+                                           + [ctypes.c_int] * 6 + [ctypes.c_float])
+    lib.add_rms_norm.restype = None
+    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """True when the kernels are built and every tensor is contiguous float32 on the CPU."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+               for t in tensors) and _load() is not None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """rmsnorm(x) * weight; with a residual, residual += x first (in place) and that is normed."""
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    _load().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                         out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
 
 
 def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """float32 on the CPU, head_dim a multiple of 8, and the kernel built."""
     return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-            and q.shape[-1] % 8 == 0 and _load() is not None)
+            and q.shape[-1] % 8 == 0 and available())
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -114,7 +136,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.is_contiguous() and out.shape == q.shape
-    status = _load()(
+    status = _load().paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], scale)

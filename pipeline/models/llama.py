@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline import kernels
 from pipeline.attention import AttentionMetadata, paged_attention
 
 
@@ -128,7 +129,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rmsnorm(x); with a residual stream: (rmsnorm(x + residual), x + residual), the
+        addition fused into the norm as in vLLM (the residual may be updated in place)."""
+        if kernels.serves(x, self.weight) and (residual is None or residual.is_contiguous()):
+            out = kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Three passes over x instead of F.rms_norm's six on CPU (it is decomposed there).
@@ -186,9 +198,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, freqs, meta):
-        x = x + self.self_attn(self.input_layernorm(x), freqs, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, freqs, meta):
+        """x: the previous layer's output, residual: the stream before it (None at layer 0).
+        Returns this layer's (output, residual); the next norm adds them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, freqs, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -200,11 +219,11 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(args)
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)                     # [tokens, hidden]
+        x, residual = self.embed_tokens(input_ids), None     # [tokens, hidden]
         freqs = self.rotary(positions)                        # once per step, shared by all layers
         for layer in self.layers:
-            x = layer(x, freqs, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, freqs, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

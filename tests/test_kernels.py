@@ -1,5 +1,6 @@
-"""Decode attention over the paged KV cache: the C kernel and the PyTorch path against a
-dense reference, and the fallback when no compiler is available."""
+"""The C kernels (pipeline/kernels): decode attention over the paged KV cache and the
+fused residual-add RMSNorm, each against a plain PyTorch reference, and the fallback
+when no compiler is available."""
 from __future__ import annotations
 
 import os
@@ -63,12 +64,25 @@ def test_decode_attention_matches_a_dense_reference(num_heads, num_kv_heads, hea
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_add_rms_norm_matches_pytorch(rows):
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
+    expected_residual = residual + x
+    expected = F.rms_norm(expected_residual, (96,), weight, 1e-5)
+    torch.testing.assert_close(kernels.add_rms_norm(x, None, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
+    out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(residual, expected_residual)   # updated in place
+
+
 def test_the_kernel_builds_here_and_serves_cpu_float32_only():
     """The test machine has a C compiler: the fast path must actually be the one tested."""
     q, k_cache = torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)
     assert kernels.can_run_paged_decode_attention(q, k_cache)
     assert not kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache.bfloat16())
     assert not kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 60), torch.zeros(2, 2, 16, 60))
+    assert kernels.serves(q, k_cache) and not kernels.serves(q.bfloat16()) and not kernels.serves(torch.zeros(4, 8).t())
 
 
 def test_without_a_compiler_the_pytorch_path_is_used(tmp_path):
