@@ -18,7 +18,7 @@ import time
 import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from pipeline.attention import AttentionMetadata, PrefillChunk
+from pipeline.attention import AttentionMetadata, PrefillChunk, cache_rows
 from pipeline.bench import read_workload
 
 TEXT = ("The history of the city begins in the first century, when a small settlement grew up on the "
@@ -54,7 +54,9 @@ def perplexity(engine: Engine, text: str) -> float:
     num_blocks = -(-n // engine.config.block_size)
     slots = torch.arange(n)  # blocks 0.. are free in a fresh engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks >= num_blocks
-    meta = AttentionMetadata(slot_mapping=slots, decode=None, prefills=[PrefillChunk(0, n, None, None)])
+    kv = engine.runner.kv_cache
+    meta = AttentionMetadata(cache_rows=cache_rows(slots, kv.k.shape[2], kv.block_size), decode=None,
+                             prefills=[PrefillChunk(0, n, None, None)])
     hidden = engine.model(torch.tensor(ids), torch.arange(n), meta)
     logits = engine.model.compute_logits(hidden[:-1])
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
@@ -76,8 +78,9 @@ def main():
     a = ap.parse_args()
     workload = read_workload(a.requests)[:a.n]
     reference = None
-    for mode in ("none", "int8", "nf4"):
-        engine = Engine(EngineConfig(model=a.model, quantization=mode))
+    # "none" twice: plain float32 weights, then MKL-packed (the CPU float32 default).
+    for mode, packed in (("none", False), ("none", True), ("int8", False), ("nf4", False)):
+        engine = Engine(EngineConfig(model=a.model, quantization=mode, pack_weights=packed))
         ppl = perplexity(engine, TEXT)
         tokens = greedy(engine, 32)
         if reference is None:
@@ -88,7 +91,8 @@ def main():
         outs = list(engine.generate(workload))
         seconds = time.perf_counter() - start
         total = sum(o.prompt_tokens + o.output_tokens for o in outs)
-        print(json.dumps({"quantization": mode, "weight_mib": round(weight_bytes(engine.model) / 2**20, 1),
+        print(json.dumps({"quantization": mode + (" (packed)" if packed else ""),
+                          "weight_mib": round(weight_bytes(engine.model) / 2**20, 1),
                           "total_tok_s": round(total / seconds, 1), "perplexity": round(ppl, 3),
                           "greedy_agreement": round(agree, 3)}), flush=True)
         del engine

@@ -6,7 +6,9 @@ repacking is most of the cost. MKL's packed API (cblas_sgemm_pack / cblas_sgemm_
 packs each weight once, at load time, and reuses it for any number of rows: measured on
 this project's 2-core CPU over the 135M model's layers, 48 -> 30 ms for 8 rows, 95 -> 71 ms
 for 64, 837 -> 798 ms for 1024. The cost is memory: MKL's packed form is about 3x the
-float32 weight (the original is released, so about 2x more in all).
+float32 weight (the original is released, but a tied LM head keeps the embedding too:
+the bundled model's weights grow from 515 to 1998 MiB). Packing is skipped, with a
+warning, when it would take more than half of the memory available.
 
 PyTorch exposes this only for one fixed batch size, so the CBLAS functions are called
 from the MKL that PyTorch's CPU library carries, through ctypes. Where that library has
@@ -77,6 +79,13 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], n)
 
 
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _packs_correctly(linear: nn.Linear) -> bool:
     """Compare with F.linear once: guards against an MKL with another integer size or ABI."""
     x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
@@ -96,6 +105,13 @@ def pack_linear_layers(model: nn.Module) -> int:
     if not candidates or _mkl() is None or not _packs_correctly(candidates[0][2]):
         if candidates:
             log.warning("MKL packed GEMM unavailable: linear layers use plain matmuls")
+        return 0
+    get_size = _mkl()[0]
+    needed = sum(get_size(B_MATRIX, 64, *child.weight.shape) for _, _, child in candidates)
+    available = _available_memory()
+    if available is not None and needed > available / 2:
+        log.warning("packing the weights would take %.1f GiB of the %.1f GiB available: linear layers "
+                    "use plain matmuls (slower decode steps)", needed / 2**30, available / 2**30)
         return 0
     for parent, name, child in candidates:
         setattr(parent, name, PackedLinear(child))   # the unpacked weight is released (unless tied)

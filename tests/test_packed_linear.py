@@ -40,3 +40,11 @@ def test_engine_packs_cpu_float32_weights_unless_told_not_to(tiny_model_dir):
     from pipeline import Request, SamplingParams
     request = Request("r", prompt="The capital of France is", params=SamplingParams(max_tokens=12, temperature=0))
     assert next(packed.generate([request])).token_ids == next(plain.generate([request])).token_ids
+
+
+def test_weights_stay_unpacked_when_memory_is_short(monkeypatch):
+    from pipeline import packed_linear
+    model = nn.ModuleDict({"qkv_proj": nn.Linear(64, 192)})
+    monkeypatch.setattr(packed_linear, "_available_memory", lambda: 100_000)   # bytes
+    assert pack_linear_layers(model) == 0
+    assert type(model["qkv_proj"]) is nn.Linear
