@@ -3,7 +3,8 @@
 Decoding a whole output after every token is quadratic; decoding token by token
 breaks multi-byte characters and drops leading spaces. As in vLLM, decode a short
 window twice (with and without the newest tokens) and emit the difference, holding
-text back while it ends in an incomplete character.
+text back while it ends in an incomplete character. Without stop strings nobody reads
+the text before the end, so it is decoded once, in flush().
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class IncrementalDetokenizer:
         """Append one output token; returns True when a stop string appeared
         (the text is then cut just before it)."""
         self.tokens.append(token_id)
+        if not self.stop:
+            return False      # decoded once, in flush()
         delta = self._emit(force=False)
         if not delta:
             return False

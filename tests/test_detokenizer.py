@@ -12,6 +12,11 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+# A stop string that never appears: keeps the detokenizer incremental (without stop
+# strings it decodes once, at flush).
+NEVER = ["<never-appears>"]
+
+
 def feed(detok: IncrementalDetokenizer, ids: list[int]) -> list[bool]:
     """add_token for each id, stopping (as the engine does) at the first stop string."""
     hits = []
@@ -35,7 +40,7 @@ TEXTS = [
 def test_incremental_text_equals_full_decode(tokenizer, text):
     prompt_ids = tokenizer.encode("Say something:")
     out_ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, [])
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, NEVER)
     seen = []
     for t in out_ids:
         assert detok.add_token(t) is False
@@ -46,6 +51,18 @@ def test_incremental_text_equals_full_decode(tokenizer, text):
     assert all(text.startswith(s) for s in seen)       # text only ever grows
 
 
+@pytest.mark.parametrize("text", TEXTS + [" 世界", "Hi"])
+def test_without_stop_strings_text_is_decoded_once_at_the_end(tokenizer, text):
+    prompt_ids, out_ids = tokenizer.encode("Say something:"), tokenizer.encode(text)
+    deferred, incremental = (IncrementalDetokenizer(tokenizer, prompt_ids, stop) for stop in ([], NEVER))
+    for t in out_ids:
+        assert deferred.add_token(t) is False and incremental.add_token(t) is False
+    assert deferred.text == ""
+    deferred.flush()
+    incremental.flush()
+    assert deferred.text == incremental.text == tokenizer.decode(out_ids, skip_special_tokens=True)
+
+
 def test_multibyte_characters_really_span_tokens(tokenizer):
     # Guard for the test above: the CJK text and emoji are split into byte tokens that
     # cannot be decoded on their own, so the hold-back logic is exercised.
@@ -54,7 +71,7 @@ def test_multibyte_characters_really_span_tokens(tokenizer):
 
 
 def test_first_word_keeps_its_leading_space(tokenizer):
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"), [])
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"), NEVER)
     feed(detok, tokenizer.encode(" world"))
     assert detok.text == " world"
 
@@ -71,7 +88,7 @@ def test_flush_emits_a_trailing_incomplete_character(tokenizer):
     ids = tokenizer.encode(" 世界")
     partial = ids[:-1]
     assert tokenizer.decode(partial).endswith(REPLACEMENT_CHAR)
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), [])
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), NEVER)
     feed(detok, partial)
     assert REPLACEMENT_CHAR not in detok.text
     detok.flush()
