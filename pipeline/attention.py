@@ -110,10 +110,8 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) ->
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
-    Returns [tokens, heads, head_dim]."""
-    write_kv(k_cache, meta.cache_rows, k)
-    write_kv(v_cache, meta.cache_rows, v)
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], already written to
+    the caches (write_kv). Returns [tokens, heads, head_dim]."""
     out = q.new_empty(q.shape)
     if meta.decode is not None:
         b = meta.decode.num_seqs

@@ -66,17 +66,16 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        # The model always passes contiguous [tokens, features]: keep that path free of reshapes.
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
         m, n, k = rows.shape[0], self.out_features, self.in_features
-        out = rows.new_empty((m, n))
+        out = torch.empty((m, n), dtype=rows.dtype)
         if m:
             _mkl()[2](ROW_MAJOR, NO_TRANS, PACKED, m, n, k, rows.data_ptr(), k, self.packed.data_ptr(), k,
                       0.0, out.data_ptr(), n)
         if self.bias is not None:
             out.add_(self.bias)
-        return out.view(*x.shape[:-1], n)
+        return out if rows is x else out.view(*x.shape[:-1], n)
 
 
 def _available_memory() -> int | None:

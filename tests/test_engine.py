@@ -140,12 +140,13 @@ def test_request_alone_matches_it_inside_the_batch(tiny_engine, batch32, rid):
     assert alone.text == outputs[rid].text
 
 
-def test_pytorch_decode_attention_gives_the_same_tokens_as_the_kernel(tiny_engine, batch32, monkeypatch):
-    """The batch ran its decodes through the C kernel; the PyTorch fallback (no compiler,
-    bfloat16, CUDA) must decode the same greedy tokens."""
+def test_pytorch_path_gives_the_same_tokens_as_the_c_kernels(tiny_engine, batch32, monkeypatch):
+    """The batch ran through the C kernels; the PyTorch fallback (no compiler, bfloat16,
+    CUDA) must decode the same greedy tokens."""
     from pipeline import kernels
     requests, outputs, _ = batch32
     monkeypatch.setattr(kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
+    monkeypatch.setattr(kernels, "serves", lambda *tensors: False)
     again = run(tiny_engine, [requests[rid] for rid in ("r3", "r17", "r30")])
     assert {rid: out.token_ids for rid, out in again.items()} == {rid: outputs[rid].token_ids for rid in again}
 

@@ -76,6 +76,30 @@ def test_add_rms_norm_matches_pytorch(rows):
     torch.testing.assert_close(residual, expected_residual)   # updated in place
 
 
+def test_rotary_write_kv_matches_pytorch():
+    from pipeline.attention import cache_rows, write_kv
+    from pipeline.models.llama import Rotation, apply_rotary
+    heads, kv_heads, head_dim, block_size, tokens = 6, 2, 16, 4, 9
+    torch.manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 6
+    rotation = Rotation(angles.cos(), angles.sin())
+    rows = cache_rows(torch.tensor([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size)
+    caches = [torch.zeros(4, kv_heads, block_size, head_dim) for _ in range(4)]
+
+    view = qkv.clone().view(tokens, -1, head_dim)
+    qk = apply_rotary(view[:, :heads + kv_heads], rotation.complex)
+    write_kv(caches[0], rows, qk[:, heads:])
+    write_kv(caches[1], rows, view[:, heads + kv_heads:])
+    got = qkv.clone()
+    kernels.rotary_write_kv(got, rotation.cos, rotation.sin, rows, caches[2], caches[3], heads, kv_heads)
+    got = got.view(tokens, -1, head_dim)
+    torch.testing.assert_close(got[:, :heads + kv_heads], qk)
+    torch.testing.assert_close(got[:, heads + kv_heads:], view[:, heads + kv_heads:])   # v untouched
+    torch.testing.assert_close(caches[2], caches[0])
+    torch.testing.assert_close(caches[3], caches[1])
+
+
 def test_the_kernel_builds_here_and_serves_cpu_float32_only():
     """The test machine has a C compiler: the fast path must actually be the one tested."""
     q, k_cache = torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)

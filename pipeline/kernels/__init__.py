@@ -2,6 +2,7 @@
 
 paged_attention.c: decode attention reading the paged KV cache in place.
 rms_norm.c: RMSNorm with the residual addition fused in.
+rotary_cache.c: rotary embedding of q and k and the KV-cache write, in one pass.
 
 They are plain C loaded with ctypes: no PyTorch headers, so a build takes well under a
 second, and ctypes releases the GIL while a kernel runs. The shared library is cached
@@ -31,7 +32,7 @@ from pipeline.bundled import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c")]
 # Tried in order: the fastest build first, then ones that more compilers accept.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], ["-O3", "-fopenmp"], ["-O3"])
 
@@ -89,6 +90,8 @@ def _load():
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
                                            + [ctypes.c_int] * 6 + [ctypes.c_float])
+    lib.rotary_write_kv.restype = None
+    lib.rotary_write_kv.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 3
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     return lib
@@ -100,8 +103,10 @@ def available() -> bool:
 
 def serves(*tensors: torch.Tensor) -> bool:
     """True when the kernels are built and every tensor is contiguous float32 on the CPU."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-               for t in tensors) and _load() is not None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return _load() is not None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -112,6 +117,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _load().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                          out.data_ptr(), x.numel() // dim, dim, eps)
     return out
+
+
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_rows: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """Rotate q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by cos/sin
+    [tokens, head_dim/2] and store k and v at cache_rows [tokens * kv_heads] (int64) of the
+    layer caches [blocks, kv_heads, block_size, head_dim]."""
+    head_dim = k_cache.shape[-1]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and cos.shape == sin.shape
+    assert cache_rows.dtype == torch.int64 and cache_rows.numel() == qkv.shape[0] * num_kv_heads
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    _load().rotary_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(),
+                            k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
+                            head_dim)
 
 
 def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

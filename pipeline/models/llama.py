@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import kernels
-from pipeline.attention import AttentionMetadata, paged_attention
+from pipeline.attention import AttentionMetadata, paged_attention, write_kv
 
 
 @dataclass(slots=True)
@@ -104,8 +104,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [max_pos, head_dim/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return torch.complex(self.cos[positions].float(), self.sin[positions].float()).unsqueeze(1)  # [tokens, 1, head_dim/2]
+    def forward(self, positions: torch.Tensor) -> "Rotation":
+        return Rotation(self.cos[positions].float(), self.sin[positions].float())
+
+
+class Rotation:
+    """One step's rotary angles, shared by every layer: cos and sin [tokens, head_dim/2]
+    for the C kernel, as complex numbers [tokens, 1, head_dim/2] for the PyTorch path."""
+    __slots__ = ("cos", "sin", "_complex")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin, self._complex = cos, sin, None
+
+    @property
+    def complex(self) -> torch.Tensor:
+        if self._complex is None:
+            self._complex = torch.complex(self.cos, self.sin).unsqueeze(1)
+        return self._complex
 
 
 def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -162,18 +177,26 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.k_cache = self.v_cache = None   # bound by ModelRunner once the pool exists
 
-    def forward(self, x, freqs: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, x, rotation: Rotation, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            # Queries and keys are adjacent in the fused output: rotate them together.
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                        self.head_dim), freqs)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]    # [tokens, heads|kv_heads, head_dim]
+        heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
+        if self.q_norm is None and kernels.serves(qkv, rotation.cos, self.k_cache):
+            # One C pass: rotate q and k in place, store k and v in the cache.
+            kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, self.k_cache,
+                                    self.v_cache, self.num_heads, self.num_kv_heads)
+            q, k, v = heads[:, :q_end], heads[:, q_end:k_end], heads[:, k_end:]
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, freqs), apply_rotary(k, freqs)
+            v = heads[:, k_end:]
+            if self.q_norm is None:
+                # Queries and keys are adjacent in the fused output: rotate them together.
+                qk = apply_rotary(heads[:, :k_end], rotation.complex)
+                q, k = qk[:, :q_end], qk[:, q_end:]                  # [tokens, heads|kv_heads, head_dim]
+            else:
+                q = apply_rotary(self.q_norm(heads[:, :q_end]), rotation.complex)
+                k = apply_rotary(self.k_norm(heads[:, q_end:k_end]), rotation.complex)
+            write_kv(self.k_cache, meta.cache_rows, k)
+            write_kv(self.v_cache, meta.cache_rows, v)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -198,14 +221,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, residual, freqs, meta):
+    def forward(self, x, residual, rotation, meta):
         """x: the previous layer's output, residual: the stream before it (None at layer 0).
         Returns this layer's (output, residual); the next norm adds them."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, freqs, meta)
+        h = self.self_attn(h, rotation, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -220,9 +243,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None     # [tokens, hidden]
-        freqs = self.rotary(positions)                        # once per step, shared by all layers
+        rotation = self.rotary(positions)                     # once per step, shared by all layers
         for layer in self.layers:
-            x, residual = layer(x, residual, freqs, meta)
+            x, residual = layer(x, residual, rotation, meta)
         return self.norm(x, residual)[0]
 
 

@@ -1,0 +1,41 @@
+/* Rotary embedding and the KV-cache write, fused, on the CPU in float32.
+ *
+ * After the fused q|k|v projection, PyTorch needs about a dozen small operations per
+ * layer to rotate queries and keys and scatter the new keys and values into the paged
+ * cache; in a decode step each costs more in dispatch than in arithmetic. This is one
+ * pass over the new tokens.
+ *
+ *   qkv         [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place: the loader
+ *               interleaves q/k rows so that entries (2i, 2i+1) of a head form rotary pair i
+ *   cos, sin    [tokens, head_dim / 2], each token's angles
+ *   cache_rows  [tokens * kv_heads], where each token's heads go in a layer's cache viewed
+ *               as [blocks * kv_heads * block_size, head_dim] (pipeline/attention.py)
+ */
+#include <stdint.h>
+#include <string.h>
+
+void rotary_write_kv(float *qkv, const float *cos, const float *sin, const int64_t *cache_rows,
+                     float *k_cache, float *v_cache, int64_t tokens, int heads, int kv_heads,
+                     int head_dim) {
+    const int half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel for if (tokens > 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * width;
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int h = 0; h < heads + kv_heads; h++) {
+            float *x = row + (int64_t)h * head_dim;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float a = x[2 * i], b = x[2 * i + 1];
+                x[2 * i] = a * c[i] - b * s[i];
+                x[2 * i + 1] = a * s[i] + b * c[i];
+            }
+        }
+        const float *k = row + (int64_t)heads * head_dim, *v = k + (int64_t)kv_heads * head_dim;
+        for (int h = 0; h < kv_heads; h++) {
+            int64_t dst = cache_rows[t * kv_heads + h] * head_dim;
+            memcpy(k_cache + dst, k + (int64_t)h * head_dim, sizeof(float) * head_dim);
+            memcpy(v_cache + dst, v + (int64_t)h * head_dim, sizeof(float) * head_dim);
+        }
+    }
+}
