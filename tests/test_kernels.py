@@ -76,6 +76,13 @@ def test_add_rms_norm_matches_pytorch(rows):
     torch.testing.assert_close(residual, expected_residual)   # updated in place
 
 
+def test_silu_and_mul_matches_pytorch_over_the_float_range():
+    gate = torch.cat([torch.linspace(-100, 100, 20_000), torch.randn(20_000) * 4]).view(-1, 400)
+    up = torch.randn_like(gate)
+    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
 def test_rotary_write_kv_matches_pytorch():
     from pipeline.attention import cache_rows, write_kv
     from pipeline.models.llama import Rotation, apply_rotary

@@ -3,6 +3,7 @@
 paged_attention.c: decode attention reading the paged KV cache in place.
 rms_norm.c: RMSNorm with the residual addition fused in.
 rotary_cache.c: rotary embedding of q and k and the KV-cache write, in one pass.
+silu_and_mul.c: SiLU of the gate times the up projection, in one pass.
 
 They are plain C loaded with ctypes: no PyTorch headers, so a build takes well under a
 second, and ctypes releases the GIL while a kernel runs. The shared library is cached
@@ -32,7 +33,7 @@ from pipeline.bundled import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c", "silu_and_mul.c")]
 # Tried in order: the fastest build first, then ones that more compilers accept.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], ["-O3", "-fopenmp"], ["-O3"])
 
@@ -92,6 +93,8 @@ def _load():
                                            + [ctypes.c_int] * 6 + [ctypes.c_float])
     lib.rotary_write_kv.restype = None
     lib.rotary_write_kv.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 3
+    lib.silu_and_mul.restype = None
+    lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     return lib
@@ -116,6 +119,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     _load().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                          out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [tokens, 2 * inter] (gate first) -> silu(gate) * up [tokens, inter]."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    _load().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
 
 

@@ -1,8 +1,7 @@
 /* RMSNorm with the residual addition fused in, on the CPU in float32.
  *
  * In PyTorch the residual add and RMSNorm are six passes and six dispatches, twice per
- * layer; this is two passes over each row and one call. (SiLU-and-multiply stays in
- * PyTorch: its vectorised exp beats what a portable C loop gets without -ffast-math.)
+ * layer; this is two passes over each row and one call.
  * All arrays are contiguous, rows x dim.
  */
 #include <math.h>
