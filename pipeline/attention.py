@@ -82,7 +82,8 @@ class DecodeLayout:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    cache_rows: torch.Tensor            # [tokens * kv_heads] where each new token's keys go, see cache_rows()
+    cache_rows: torch.Tensor            # [tokens * kv_heads] where each new token's keys and values go
+                                        # in a layer's cache, see cache_rows()
     decode: DecodeLayout | None         # rows 0..decode.num_seqs-1 are single-token decodes
     prefills: list[PrefillChunk]
 

@@ -66,7 +66,7 @@ def engine_options(f):
         click.option("--max-num-batched-tokens", type=int, help="Most tokens in one engine step."),
         click.option("--pack-weights/--no-pack-weights", default=None,
                      help="CPU float32: keep weights in MKL's packed layout (faster decode steps, "
-                          "about twice the weight memory)  [default: on]"),
+                          "about 3x the float32 weight memory)  [default: on]"),
     ]
     names = ("model", "dtype", "device", "quantization", "kv_cache_gib", "max_num_seqs", "max_num_batched_tokens",
              "pack_weights")

@@ -24,7 +24,8 @@ class EngineConfig:
     max_model_len: int | None = None    # None: the model's own context length
     num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
     # CPU float32 without quantization: hold linear weights in MKL's packed layout, packed
-    # once at load (faster decode steps; about twice the weight memory). See packed_linear.py.
+    # once at load (faster decode steps; MKL's packed form is about 3x the float32 weights,
+    # and is skipped when memory is short). See packed_linear.py.
     pack_weights: bool = True
 
     def __post_init__(self):
