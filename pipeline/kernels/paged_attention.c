@@ -54,15 +54,23 @@ static inline __attribute__((always_inline)) void attend_one(
      * block's keys (and this block's values, read in the second pass) meanwhile. */
     for (int pos = 0; pos < len; pos += block_size) {
         const float *k = k_cache + (size_t)blocks[pos / block_size] * block_stride + head_offset;
-        if (pos + block_size < len)
-            prefetch(k_cache + (size_t)blocks[pos / block_size + 1] * block_stride + head_offset, slab);
-        prefetch(v_cache + (size_t)blocks[pos / block_size] * block_stride + head_offset, slab);
+        const float *k_next = pos + block_size < len
+            ? k_cache + (size_t)blocks[pos / block_size + 1] * block_stride + head_offset : NULL;
+        const float *v_here = v_cache + (size_t)blocks[pos / block_size] * block_stride + head_offset;
         const int n = len - pos < block_size ? len - pos : block_size;
+        if (n < 4) {
+            if (k_next) prefetch(k_next, slab);
+            prefetch(v_here, slab);
+        }
         for (int g = 0; g < group; g++) {
             const vec8 *qv = (const vec8 *)(q + (size_t)g * head_dim);
             float *srow = scores + (size_t)g * len + pos;
             int t = 0;
             for (; t + 4 <= n; t += 4) {
+                if (g == 0) {   /* spread the prefetches: a burst would stall on fill buffers */
+                    if (k_next) prefetch(k_next + (size_t)t * head_dim, 4 * (size_t)head_dim);
+                    prefetch(v_here + (size_t)t * head_dim, 4 * (size_t)head_dim);
+                }
                 const vec8 *k0 = (const vec8 *)(k + (size_t)t * head_dim);
                 const vec8 *k1 = k0 + nvec, *k2 = k1 + nvec, *k3 = k2 + nvec;
                 vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
