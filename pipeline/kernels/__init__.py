@@ -107,7 +107,7 @@ def available() -> bool:
 def serves(*tensors: torch.Tensor) -> bool:
     """True when the kernels are built and every tensor is contiguous float32 on the CPU."""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        if not t.is_cpu or t.dtype != torch.float32 or not t.is_contiguous():
             return False
     return _load() is not None
 
@@ -146,7 +146,7 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
 
 def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """float32 on the CPU, head_dim a multiple of 8, and the kernel built."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+    return (q.is_cpu and q.dtype == k_cache.dtype == torch.float32
             and q.shape[-1] % 8 == 0 and available())
 
 
