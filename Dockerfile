@@ -1,7 +1,7 @@
 # The pipeline: CLI and worker. CUDA comes with the torch wheel from PyPI.
 FROM python:3.11-slim
 WORKDIR /app
-# A C compiler: CPU workers build the paged-attention kernel on first use (pipeline/kernels).
+# A C compiler: CPU workers build the C kernels on first use (pipeline/kernels).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml ./

@@ -5,8 +5,8 @@ rms_norm.c: RMSNorm with the residual addition fused in.
 rotary_cache.c: rotary embedding of q and k and the KV-cache write, in one pass.
 silu_and_mul.c: SiLU of the gate times the up projection, in one pass.
 
-They are plain C loaded with ctypes: no PyTorch headers, so a build takes well under a
-second, and ctypes releases the GIL while a kernel runs. The shared library is cached
+They are plain C loaded with ctypes: no PyTorch headers, so a build takes about a second,
+and ctypes releases the GIL while a kernel runs. The shared library is cached
 under `cache_root()/kernels`, keyed by the source, the compiler and the CPU, because it
 is built for this CPU (-march=native). Linking OpenMP by its usual soname makes the
 kernel join the OpenMP runtime PyTorch has already loaded, so both use the same threads.
@@ -33,7 +33,8 @@ from pipeline.bundled import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c", "silu_and_mul.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c", "silu_and_mul.c")]
 # Tried in order: the fastest build first, then ones that more compilers accept.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], ["-O3", "-fopenmp"], ["-O3"])
 
