@@ -32,9 +32,39 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeLayout:
+    """The blocks each decoding sequence reads, for the C kernel; the PyTorch path asks
+    for its flattened form (`flat`), built only when that path runs."""
     block_tables: torch.Tensor  # [seqs, max_blocks] int32, each decoding sequence's blocks (0-padded)
     context_lens: torch.Tensor  # [seqs] int32, the tokens each one attends to (its new one included)
-    # The same, flattened for the PyTorch path:
+    tables: list[list[int]]
+    lens: list[int]
+    block_size: int
+    _flat: "FlatDecodeLayout | None" = None
+
+    @classmethod
+    def build(cls, tables: list[list[int]], lens: list[int], block_size: int,
+              device: torch.device) -> "DecodeLayout":
+        """From each decoding sequence's block table and context length."""
+        max_blocks = -(-max(lens) // block_size)
+        padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
+        return cls(block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+                   context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                   tables=tables, lens=lens, block_size=block_size)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
+
+    def flat(self, dtype: torch.dtype) -> "FlatDecodeLayout":
+        """Built on first use, then shared by every layer of the step."""
+        if self._flat is None:
+            self._flat = FlatDecodeLayout.build(self.tables, self.lens, self.block_size,
+                                                self.block_tables.device, dtype)
+        return self._flat
+
+
+@dataclass(slots=True)
+class FlatDecodeLayout:
     block_ids: torch.Tensor    # [n] every block read by a decoding sequence, sequence by sequence
     owner: torch.Tensor        # [n] which decoding sequence (row) each block belongs to
     padded_index: torch.Tensor # [n] owner * max_blocks + the block's index within its sequence
@@ -44,8 +74,7 @@ class DecodeLayout:
 
     @classmethod
     def build(cls, tables: list[list[int]], lens: list[int], block_size: int,
-              device: torch.device, dtype: torch.dtype) -> "DecodeLayout":
-        """From each decoding sequence's block table and context length."""
+              device: torch.device, dtype: torch.dtype) -> "FlatDecodeLayout":
         bs = block_size
         block_ids: list[int] = []
         owner: list[int] = []
@@ -65,11 +94,7 @@ class DecodeLayout:
             mask = torch.zeros(len(tails), bs, device=device, dtype=dtype)
             mask.masked_fill_(offsets >= valid, float("-inf"))
             mask = mask.view(len(tails), 1, 1, bs)
-        padded_tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
-        return cls(block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
-                   context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-                   block_ids=torch.tensor(block_ids, device=device),
-                   owner=torch.tensor(owner, device=device),
+        return cls(block_ids=torch.tensor(block_ids, device=device), owner=torch.tensor(owner, device=device),
                    padded_index=torch.tensor(padded_index, device=device), mask=mask,
                    num_seqs=len(tables), max_blocks=max_blocks)
 
@@ -144,7 +169,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           layout: DecodeLayout, scale: float) -> torch.Tensor:
+                           decode_layout: DecodeLayout, scale: float) -> torch.Tensor:
+    layout = decode_layout.flat(k_cache.dtype)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

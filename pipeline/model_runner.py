@@ -74,8 +74,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             cache_rows=cache_rows(torch.tensor(slot_mapping, device=self.device), self.kv_cache.k.shape[2],
                                   self.block_size),
-            decode=(DecodeLayout.build(decode_tables, decode_lens, self.block_size, self.device,
-                                       self.kv_cache.k.dtype) if decode_tables else None),
+            decode=(DecodeLayout.build(decode_tables, decode_lens, self.block_size, self.device)
+                    if decode_tables else None),
             prefills=prefills)
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                 meta, torch.tensor(sample_rows, device=self.device))

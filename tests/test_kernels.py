@@ -54,7 +54,7 @@ def test_decode_attention_matches_a_dense_reference(num_heads, num_kv_heads, hea
     q, k_cache, v_cache, tables = random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, LENS)
     scale = head_dim ** -0.5
     expected = dense_reference(q, k_cache, v_cache, tables, LENS, scale)
-    layout = DecodeLayout.build(tables, LENS, block_size, torch.device("cpu"), torch.float32)
+    layout = DecodeLayout.build(tables, LENS, block_size, torch.device("cpu"))
 
     torch.testing.assert_close(decode_attention_torch(q, k_cache, v_cache, layout, scale), expected)
     # q as the model passes it: a strided slice of the fused q/k tensor.
