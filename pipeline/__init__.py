@@ -8,7 +8,7 @@ The engine is usable on its own and knows nothing of Celery, SQL or Parquet:
         print(out.id, out.text)
 """
 from pipeline.config import EngineConfig
-from pipeline.request import Request, RequestOutput
+from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampling_params import SamplingParams
 
 
@@ -20,4 +20,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "EngineConfig", "Request", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "FinishReason", "Request", "RequestOutput", "SamplingParams"]

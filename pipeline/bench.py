@@ -6,7 +6,7 @@ import json
 import time
 
 from pipeline.config import EngineConfig
-from pipeline.request import Request
+from pipeline.request import FinishReason, Request
 from pipeline.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     start = time.perf_counter()
     outputs = list(engine.generate(requests))
     seconds = time.perf_counter() - start
-    errors = [o for o in outputs if o.finish_reason == "error"]
+    errors = [o for o in outputs if o.finish_reason == FinishReason.ERROR]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].id}: {errors[0].error}")
     prompt_tokens = sum(o.prompt_tokens for o in outputs)

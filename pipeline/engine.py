@@ -20,7 +20,7 @@ from pipeline.loader import load_model, load_tokenizer, read_hf_config, resolve_
 from pipeline.model_runner import ModelRunner
 from pipeline.packed_linear import pack_linear_layers
 from pipeline.quantization import quantize
-from pipeline.request import Request, RequestOutput
+from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
 from pipeline.sequence import Sequence
@@ -62,10 +62,6 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
-
-    @property
-    def kv_cache_utilization(self) -> float:
-        return self.block_manager.utilization
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -171,16 +167,16 @@ class Engine:
         seq.output_token_ids.append(token)
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
         elif seq.detokenizer.add_token(token):
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
             return True  # the text is already cut before the stop string
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
         else:
             return False
         if seq.detokenizer.flush():  # held-back text completed a stop string
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
         return True
 
 
@@ -193,6 +189,6 @@ def _output_of(seq: Sequence) -> RequestOutput:
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:
-    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason="error", error=error,
+    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=error,
                          prompt_tokens=prompt_tokens, output_tokens=0, queue_s=0.0, ttft_s=None,
                          latency_s=time.perf_counter() - arrival)

@@ -41,10 +41,6 @@ class KVCache:
                              f"({per_block / 2**20:.2f} MiB each); raise kv_cache_gib")
         return num_blocks
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
 
 def _zeros_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, but on Linux CPUs backed by 2 MiB pages where the kernel allows it.

@@ -2,8 +2,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from pipeline.sampling_params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    """Why a request ended; str-valued, so results and the ledger store the plain word."""
+    STOP = "stop"            # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"        # max_tokens or the model's context length
+    ERROR = "error"          # the request could not run (`error` says why)
+    CANCELLED = "cancelled"  # dropped unfinished (job cancelled); written by the job side
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_success(self) -> bool:
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclass(slots=True)
@@ -24,7 +40,7 @@ class Request:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A finished request. finish_reason is "stop", "length" or "error" (then `error` says why).
+    """A finished request: stop or length, or error (then `error` says why).
 
     Times are seconds: queue_s from submission to first scheduled, ttft_s from submission to
     the first output token, latency_s from submission to finish.
@@ -32,7 +48,7 @@ class RequestOutput:
     id: str
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     error: str | None
     prompt_tokens: int
     output_tokens: int

@@ -5,6 +5,7 @@ import time
 from enum import Enum, auto
 
 from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.request import FinishReason
 from pipeline.sampling_params import SamplingParams
 
 
@@ -34,8 +35,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_preemptions = 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
