@@ -36,6 +36,7 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     # Warm-up (not timed): one short request, as the peers do.
     warm = requests[0]
     list(engine.generate([Request("warm-up", prompt=warm.prompt, params=SamplingParams(max_tokens=2, temperature=0))]))
+    engine.reset_prefix_cache()   # the timed run starts cold, as a new job's first shard does
     start = time.perf_counter()
     outputs = list(engine.generate(requests))
     seconds = time.perf_counter() - start
@@ -44,7 +45,10 @@ def run_bench(path: str, config: EngineConfig) -> dict:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0].id}: {errors[0].error}")
     prompt_tokens = sum(o.prompt_tokens for o in outputs)
     output_tokens = sum(o.output_tokens for o in outputs)
+    cached_tokens = sum(o.cached_tokens for o in outputs)
     return {"engine": "pipeline", "requests": len(outputs), "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "seconds": round(seconds, 3),
             "output_tok_s": round(output_tokens / seconds, 2),
-            "total_tok_s": round((output_tokens + prompt_tokens) / seconds, 2)}
+            "total_tok_s": round((output_tokens + prompt_tokens) / seconds, 2),
+            "cached_tokens": cached_tokens,
+            "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0}

@@ -1,46 +1,178 @@
-"""Hands out fixed-size KV-cache blocks to sequences and takes them back.
+"""Hands out fixed-size KV-cache blocks to sequences, takes them back, and remembers
+what full blocks hold so that a prompt prefix is never computed twice (prefix caching).
 
 Torch-free bookkeeping over the pool that `kv_cache.KVCache` preallocates: a block id
-is an index into that pool. Blocks are returned when a sequence finishes, is cancelled
-or is preempted; nothing is ever reallocated.
+is an index into that pool; nothing is ever reallocated.
+
+Prefix caching: a full block that is (or, by the end of the current step, will be)
+computed gets a hash chained from its parent block's hash and its own token ids, so
+equal hashes mean an equal token prefix up to and including the block. A block's keys
+and values depend on nothing else: the cache belongs to one engine (one model, dtype and
+set of weights), and the position is fixed by the chain. Blocks are reference-counted;
+only full blocks are shared, and a sequence's tokens after its last shared block go into
+fresh blocks, so a shared block is never written. When its last holder lets go, a
+hashed block is not wiped: it waits, findable, in an LRU list of free cached blocks and
+is reused for other content only when no plain free block is left.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from pipeline.sequence import Sequence
 
 
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None   # set while the block's content is findable in the cache
+
+
+def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Hash of a full block, chained from its parent's. A cryptographic hash (not Python's
+    64-bit hash()) so that one job's prompt cannot be crafted to collide with another's."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))   # unused, nothing cached
+        # Unused but still holding cached content, least recently used first.
+        self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
+        self.cached_block_ids: dict[bytes, int] = {}                  # hash -> block id
+
+    # ---- state ------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks that can be handed out: plain free ones plus unused cached ones."""
+        return len(self.free_block_ids) + len(self.cached_free_block_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content is findable in the prefix cache (in use or not)."""
+        return len(self.cached_block_ids)
 
     @property
     def utilization(self) -> float:
-        """Fraction of the pool in use (used / total blocks)."""
+        """Fraction of the pool held by sequences (cached but unused blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` can hold `num_tokens` tokens in total."""
-        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+    # ---- prefix cache -----------------------------------------------------------------
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq's block table to hold `num_tokens` tokens (call can_allocate first)."""
-        missing = self.blocks_needed(num_tokens) - len(seq.block_table)
-        if missing > self.num_free_blocks:
-            raise RuntimeError("KV cache out of blocks: call can_allocate first")
-        for _ in range(missing):
-            seq.block_table.append(self.free_block_ids.popleft())
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of seq's first `num_blocks` full blocks. A sequence's tokens only ever
+        grow, so the hashes are kept on it and extended as more blocks fill."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of the cached blocks that hold the longest prefix of seq's tokens, leaving
+        at least its last token to compute (its logits are needed to sample). Takes no
+        reference: pass the result to `try_allocate`."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for i in range(max_blocks):
+            # Hashing block by block stops at the first miss without hashing the rest.
+            block_id = self.cached_block_ids.get(self.block_hashes(seq, i + 1)[i])
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible while no sequence holds a block."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block_id in self.cached_free_block_ids:
+            self.blocks[block_id].hash = None
+            self.free_block_ids.append(block_id)
+        self.cached_free_block_ids.clear()
+        self.cached_block_ids.clear()
+        return True
+
+    # ---- allocation -------------------------------------------------------------------
+
+    def try_allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Make seq hold `num_tokens` tokens: first the cached blocks found by
+        `find_cached_prefix` (seq must hold no block yet), then fresh blocks. Returns False,
+        changing nothing, when the pool is short: the caller's signal to preempt or wait.
+
+        Every full block among those `num_tokens` is computed by the end of this step, so
+        it becomes findable now. A sequence admitted later in the same step can share it:
+        within each layer every new token's keys and values are written to the cache
+        before any attention reads it (models/llama.py), so requests that arrive together
+        compute a shared prefix once."""
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
+        reused_free = sum(b in self.cached_free_block_ids for b in cached_block_ids)
+        if needed > self.num_free_blocks - reused_free:
+            return False
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.cached_free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, num_tokens // self.block_size)
+        return True
 
     def free(self, seq: Sequence) -> None:
-        self.free_block_ids.extend(seq.block_table)
+        """Let go of seq's blocks (finished, cancelled or preempted)."""
+        # Tail first: the least recently used cached blocks are evicted first, and a
+        # chain's later blocks are the ones least likely to be shared again.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.cached_free_block_ids[block_id] = None
+                else:
+                    self.free_block_ids.append(block_id)
         seq.block_table.clear()
+        seq.num_registered_blocks = 0
+
+    def _take_free_block(self) -> int:
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:   # evict the least recently used cached block
+            block_id, _ = self.cached_free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached_block_ids[block.hash]
+            block.hash = None
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
+        """Make seq's blocks [seq.num_registered_blocks, num_full_blocks) findable."""
+        if num_full_blocks <= seq.num_registered_blocks:
+            return
+        hashes = self.block_hashes(seq, num_full_blocks)
+        for i in range(seq.num_registered_blocks, num_full_blocks):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.cached_block_ids:
+                block.hash = hashes[i]
+                self.cached_block_ids[hashes[i]] = block.block_id
+            # else: shared from the cache already, or the same content was computed twice
+            # (both in one step before either was findable); the first copy stays the one found.
+        seq.num_registered_blocks = num_full_blocks

@@ -27,6 +27,10 @@ class EngineConfig:
     # once at load (faster decode steps; MKL's packed form is about 3x the float32 weights,
     # and is skipped when memory is short). See packed_linear.py.
     pack_weights: bool = True
+    # Keep computed full KV blocks findable by their token prefix, so a prompt prefix
+    # shared by many requests (a system prompt, few-shot examples) is computed once per
+    # engine. See block_manager.py.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

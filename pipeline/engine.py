@@ -49,7 +49,8 @@ class Engine:
             config.block_size, dtype)
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size,
                            num_blocks, dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,
                             args.max_position_embeddings)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -62,6 +63,11 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (for example after a warm-up that must not count).
+        Returns False, doing nothing, while requests are running."""
+        return self.block_manager.reset_prefix_cache()
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -144,7 +150,14 @@ class Engine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        sampling, logits = self.runner.run(batch)
+        try:
+            sampling, logits = self.runner.run(batch)
+        except BaseException:
+            # This step's full blocks were already made findable; their content may now
+            # never have been written. Drop the work and the whole cache, not just those.
+            self.scheduler.abort_all()
+            self.block_manager.reset_prefix_cache()
+            raise
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         self.num_steps += 1
@@ -185,7 +198,8 @@ def _output_of(seq: Sequence) -> RequestOutput:
         id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
         finish_reason=seq.finish_reason, error=None, prompt_tokens=seq.num_prompt_tokens,
         output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
-        ttft_s=seq.first_token_time - seq.arrival_time, latency_s=seq.finish_time - seq.arrival_time)
+        ttft_s=seq.first_token_time - seq.arrival_time, latency_s=seq.finish_time - seq.arrival_time,
+        cached_tokens=seq.num_cached_tokens or 0)
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:

@@ -42,6 +42,7 @@ class Request:
 class RequestOutput:
     """A finished request: stop or length, or error (then `error` says why).
 
+    cached_tokens: prompt tokens whose KV came from the prefix cache instead of being computed.
     Times are seconds: queue_s from submission to first scheduled, ttft_s from submission to
     the first output token, latency_s from submission to finish.
     """
@@ -55,3 +56,4 @@ class RequestOutput:
     queue_s: float
     ttft_s: float | None
     latency_s: float
+    cached_tokens: int = 0

@@ -5,6 +5,10 @@ needs, within the step's token budget, then admits waiting sequences while block
 budget and the sequence limit allow. A long prompt therefore runs in chunks beside
 other sequences' decodes. When the KV cache runs out of blocks, the newest running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+
+With prefix caching, a sequence being admitted first takes the cached blocks that hold
+the longest prefix of its tokens and computes only the rest: the step's token budget
+counts only uncached tokens (a preempted sequence may hit its own blocks again).
 """
 from __future__ import annotations
 
@@ -64,14 +68,13 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
                 preempted = True
                 victim = queue.pop() if queue else seq  # the newest not yet scheduled
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.allocate(seq, seq.num_computed_tokens + n)
                 seqs.append(seq)
                 num_new_tokens.append(n)
                 budget -= n
@@ -81,11 +84,15 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.try_allocate(seq, num_cached + n, cached):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)

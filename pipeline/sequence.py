@@ -34,6 +34,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix caching (block_manager): hashes of the full blocks of its tokens, and how
+        # many of its leading blocks are already registered in the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None   # prompt tokens found cached at first admission
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()

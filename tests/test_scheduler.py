@@ -16,15 +16,17 @@ from pipeline.scheduler import Scheduler
 from pipeline.sequence import Sequence, SequenceStatus
 
 
-def make_seq(request_id: str, num_prompt_tokens: int, max_tokens: int = 4) -> Sequence:
-    ids = [100 + i for i in range(num_prompt_tokens)]
+def make_seq(request_id: str, num_prompt_tokens: int, max_tokens: int = 4,
+             ids: list[int] | None = None) -> Sequence:
+    ids = [100 + i for i in range(num_prompt_tokens)] if ids is None else ids
     return Sequence(request_id, ids, SamplingParams(max_tokens=max_tokens),
                     IncrementalDetokenizer(None, ids, []))
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=10_000) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
+                   max_model_len=10_000, prefix_caching=False) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(bm, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
 
 
@@ -47,10 +49,15 @@ def scheduled(batch) -> dict[str, int]:
 
 def check_invariants(sched: Scheduler) -> None:
     bm = sched.block_manager
-    owned = [b for s in sched.running for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block belongs to two sequences"
-    assert set(owned).isdisjoint(bm.free_block_ids)
-    assert len(owned) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    refs: dict[int, int] = {}
+    for s in sched.running:
+        for b in s.block_table:
+            refs[b] = refs.get(b, 0) + 1
+    if not bm.enable_prefix_caching:
+        assert all(n == 1 for n in refs.values()), "a block belongs to two sequences"
+    assert all(bm.blocks[b].ref_count == n for b, n in refs.items())
+    assert set(refs).isdisjoint(bm.free_block_ids) and set(refs).isdisjoint(bm.cached_free_block_ids)
+    assert len(refs) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     for s in sched.waiting:
         assert s.block_table == [] and s.num_computed_tokens == 0
         assert s.status == SequenceStatus.WAITING
@@ -222,14 +229,21 @@ def test_finish_and_abort_all_free_every_block():
     assert sched.block_manager.num_free_blocks == 10
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix-caching"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_completes_within_limits(seed):
+def test_random_workload_completes_within_limits(seed, prefix_caching):
     """Many sequences through a small pool: every step respects the token budget and
-    the sequence limit, blocks are never shared or leaked, and everything finishes
-    (the pool is small enough that sequences get preempted)."""
+    the sequence limit, blocks are never leaked (nor shared, without prefix caching), and
+    everything finishes (the pool is small enough that sequences get preempted, and with
+    prefix caching that cached blocks get evicted)."""
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
-    seqs = [make_seq(f"s{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 12)) for i in range(20)]
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                           prefix_caching=prefix_caching)
+    prefixes = [[rng.randint(0, 50) for _ in range(rng.randint(0, 14))] for _ in range(3)]
+    seqs = []
+    for i in range(20):
+        prompt = rng.choice(prefixes) + [rng.randint(0, 50) for _ in range(rng.randint(1, 16))]
+        seqs.append(make_seq(f"s{i}", 0, max_tokens=rng.randint(1, 12), ids=prompt))
     for s in seqs:
         assert sched.admission_error(s) is None
         sched.add(s)
@@ -251,3 +265,58 @@ def test_random_workload_completes_within_limits(seed):
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert sched.block_manager.num_free_blocks == 12
     assert sched.num_preemptions > 0
+    if not prefix_caching:
+        assert all(s.num_cached_tokens == 0 for s in seqs)
+
+
+# ---- prefix caching -----------------------------------------------------------------------
+
+def test_a_cached_prefix_is_not_computed_again_and_costs_no_budget():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8, prefix_caching=True)
+    first = make_seq("first", 0, max_tokens=1, ids=list(range(12)))
+    sched.add(first)
+    advance(sched, sched.schedule())
+    first_blocks = list(first.block_table)
+    advance(sched, sched.schedule())
+    assert first.is_finished
+    second = make_seq("second", 0, max_tokens=1, ids=list(range(8)) + [90, 91, 92, 93, 94])
+    sched.add(second)
+    batch = sched.schedule()
+    assert scheduled(batch) == {"second": 5}          # 8 cached tokens skipped, 5 within the budget of 8
+    assert second.num_cached_tokens == 8
+    assert second.block_table[:2] == first_blocks[:2]
+    check_invariants(sched)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    sched = make_scheduler(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True)
+    prefix = list(range(16))
+    seqs = [make_seq(f"s{i}", 0, ids=prefix + [200 + i, 300 + i]) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    # The first computes the prefix; the others, admitted in the same step, share its blocks.
+    assert scheduled(batch) == {"s0": 18, "s1": 2, "s2": 2, "s3": 2, "s4": 2}
+    assert [s.num_cached_tokens for s in seqs] == [0, 16, 16, 16, 16]
+    assert all(s.block_table[:4] == seqs[0].block_table[:4] for s in seqs)
+    check_invariants(sched)
+
+
+def test_a_preempted_sequence_hits_its_own_blocks_again():
+    sched = make_scheduler(num_blocks=4, block_size=4, prefix_caching=True)
+    old, new = make_seq("old", 4, max_tokens=3), make_seq("new", 0, max_tokens=9, ids=[1] * 8)
+    sched.add(old)
+    sched.add(new)
+    advance(sched, sched.schedule())                  # old: 1 block, new: 2 full blocks
+    new_blocks = list(new.block_table)
+    batch = sched.schedule()                          # both need a block, one is free
+    assert scheduled(batch) == {"old": 1} and new.num_preemptions == 1
+    assert sorted(sched.block_manager.cached_free_block_ids) == sorted(new_blocks)   # kept findable
+    advance(sched, batch)
+    advance(sched, sched.schedule())                  # old finishes
+    assert old.is_finished
+    batch = sched.schedule()
+    assert scheduled(batch) == {"new": 1}             # 8 of its 9 tokens come from the cache
+    assert new.block_table[:2] == new_blocks and new.num_computed_tokens == 8
+    assert new.num_cached_tokens == 0                 # counted at first admission only
+    check_invariants(sched)
