@@ -109,7 +109,7 @@ class Engine:
                     if request is None:
                         exhausted = True
                         break
-                    error = self._admit(request)
+                    error = self.add_request(request)
                     if error is not None:
                         yield error
                 if self.scheduler.num_unfinished == 0:
@@ -126,8 +126,13 @@ class Engine:
             if self.scheduler.num_unfinished:
                 self.scheduler.abort_all()
 
-    def _admit(self, request: Request) -> RequestOutput | None:
-        """Queue a request; a request that can never run gets its error result instead."""
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request for the next steps (its id must be unique among the unfinished
+        ones); a request that can never run gets its error result at once instead."""
         arrival = time.perf_counter()
         try:
             prompt_ids = self.tokenize(request)
@@ -140,6 +145,10 @@ class Engine:
             return _error_output(request.id, error, len(prompt_ids), arrival)
         self.scheduler.add(seq)
         return None
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop these unfinished requests and free their blocks (unknown ids are ignored)."""
+        self.scheduler.abort(set(request_ids))
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""

@@ -118,6 +118,13 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def abort(self, request_ids: set[str]) -> list[Sequence]:
+        """Drop the unfinished sequences of these requests; returns them."""
+        dropped = [s for s in (*self.running, *self.waiting) if s.request_id in request_ids]
+        for seq in dropped:
+            self.finish(seq)
+        return dropped
+
     def abort_all(self) -> list[Sequence]:
         """Drop every unfinished sequence (cancellation); returns them."""
         dropped = list(self.running) + list(self.waiting)

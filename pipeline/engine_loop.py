@@ -1,0 +1,178 @@
+"""One engine shared by several concurrent callers, so that their requests run in the
+same batches: while one caller's last requests drain, the next caller's already run.
+
+A background thread owns the engine and steps it while any caller has work; nothing
+else touches the engine. Each `generate` call is a stream: its requests go in (pulled
+lazily, a bounded number ahead), and only its own results come back, in the calling
+thread, as they finish. A stream that stops (should_stop, the caller closing it, an
+exception) drops only its own unfinished requests.
+
+    loop = EngineLoop(engine)
+    for out in loop.generate(requests, should_stop=cancelled):   # from any thread
+        ...
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+from pipeline.request import Request, RequestOutput
+
+POLL_S = 0.05   # how often a waiting caller checks its should_stop
+
+
+class _Stream:
+    def __init__(self, key: int):
+        self.key = key
+        self.results: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self.live_ids: set[str] = set()   # internal ids in the engine (loop thread only)
+
+    def internal_id(self, request_id: str) -> str:
+        # Two callers may use the same request ids (two jobs' shards): unique in the engine.
+        return f"{self.key}:{request_id}"
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self.lookahead = 2 * engine.config.max_num_seqs   # requests a stream keeps in the engine
+        self._keys = itertools.count()
+        self._wake = threading.Condition()
+        self._inbox: list[tuple[_Stream, Request]] = []   # new requests, oldest first
+        self._aborts: list[_Stream] = []
+        self._streams: dict[int, _Stream] = {}
+        self._closed = False
+        self._crashed: BaseException | None = None   # what ended the loop thread, if anything
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_streams(self) -> int:
+        with self._wake:
+            return len(self._streams)
+
+    def generate(self, requests: Iterable[Request],
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
+        """As Engine.generate, but any number of threads may call it at once; their
+        requests share the engine's batches. should_stop is called in this thread."""
+        stream = _Stream(next(self._keys))
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            self._streams[stream.key] = stream
+        pending = iter(requests)
+        in_flight = 0
+        exhausted = False
+        try:
+            while True:
+                batch = []
+                while not exhausted and in_flight + len(batch) < self.lookahead:
+                    request = next(pending, None)
+                    if request is None:
+                        exhausted = True
+                    else:
+                        batch.append((stream, dataclasses.replace(request, id=stream.internal_id(request.id))))
+                if batch:
+                    in_flight += len(batch)
+                    with self._wake:
+                        self._inbox.extend(batch)
+                        self._wake.notify()
+                if in_flight == 0:
+                    return
+                if should_stop is not None and should_stop():
+                    return
+                try:
+                    item = stream.results.get(timeout=POLL_S)
+                except queue.Empty:
+                    if self._crashed is not None:
+                        raise RuntimeError("the engine loop stopped") from self._crashed
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                in_flight -= 1
+                yield item
+        finally:
+            with self._wake:
+                del self._streams[stream.key]
+                if in_flight:
+                    self._aborts.append(stream)
+                    self._wake.notify()
+
+    def close(self) -> None:
+        """Stop the thread after its current step, dropping whatever is still running
+        (its callers get an error); later generate calls fail."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    # ---- the loop thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:   # a bug here must not leave callers waiting for ever
+            self._crashed = e
+            self._fail_all(e)
+            raise
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not (self._closed or self._inbox or self._aborts or engine.has_unfinished_requests):
+                    self._wake.wait()
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+                closed = self._closed
+            if closed:   # leave the engine empty for whoever uses it next
+                for stream in aborts:
+                    engine.abort(stream.live_ids)
+                self._fail_all(RuntimeError("the engine loop was closed"))
+                return
+            for stream in aborts:
+                engine.abort(stream.live_ids)
+                stream.live_ids.clear()
+            aborted = {s.key for s in aborts}
+            for stream, request in inbox:
+                if stream.key in aborted:
+                    continue
+                error = engine.add_request(request)
+                if error is None:
+                    stream.live_ids.add(request.id)
+                else:
+                    self._deliver(stream, error)
+            if not engine.has_unfinished_requests:
+                continue
+            try:
+                finished = engine.step()
+            except BaseException as e:   # the engine dropped all its requests: tell their owners
+                self._fail_all(e)
+                continue
+            for out in finished:
+                stream = self._streams_by_internal_id(out.id)
+                if stream is not None:
+                    stream.live_ids.discard(out.id)
+                    self._deliver(stream, out)
+
+    def _streams_by_internal_id(self, internal_id: str) -> _Stream | None:
+        with self._wake:
+            return self._streams.get(int(internal_id.split(":", 1)[0]))
+
+    @staticmethod
+    def _deliver(stream: _Stream, out: RequestOutput) -> None:
+        stream.results.put(dataclasses.replace(out, id=out.id.split(":", 1)[1]))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Drop every live request (the engine may have dropped them already) and tell
+        their callers."""
+        with self._wake:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if stream.live_ids:
+                self.engine.abort(stream.live_ids)
+                stream.live_ids.clear()
+                stream.results.put(error)
