@@ -44,7 +44,7 @@ def abandon_job(Session: sessionmaker[Session], root, job_id: str, error: str) -
     cancelling), with the stats of whatever was committed. True if this call finished it."""
     with Session() as s:
         for shard in ledger.get_shards(s, job_id):
-            if shard.status in (ShardStatus.QUEUED, ShardStatus.RUNNING):
+            if shard.status in ShardStatus.unfinished():
                 ledger.fail_shard(s, job_id, shard.index, None, error)
         if not ledger.try_finalize(s, job_id):
             return False

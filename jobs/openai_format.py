@@ -6,14 +6,16 @@ the `openai` package (Batch, ChatCompletion, Completion), which the tests valida
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
 import time
 from datetime import datetime, timezone
 from typing import Iterable
+
+from jobs.atomic import atomic_write
+from jobs.states import JobStatus
+from pipeline.request import FinishReason
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -23,13 +25,10 @@ PIPELINE_ENDPOINT = COMPLETIONS
 
 # Our job statuses onto Batch.status. OpenAI has no "queued": a validated batch waiting for
 # capacity is reported "in_progress" there, so ours is too. The rest exist in both.
-_STATUS = {
-    "validating": "validating", "queued": "in_progress", "in_progress": "in_progress",
-    "finalizing": "finalizing", "completed": "completed", "failed": "failed",
-    "cancelling": "cancelling", "cancelled": "cancelled", "expired": "expired",
-}
-_FINISHED = {"completed", "failed", "cancelled", "expired"}
-_ERROR_CODES = {"error": "request_failed", "cancelled": "batch_cancelled"}
+_STATUS = {status.value: status.value for status in JobStatus} | {JobStatus.QUEUED.value: JobStatus.IN_PROGRESS.value}
+_FINISHED = {status.value for status in JobStatus.terminal()}
+_SUCCESSES = {reason.value for reason in FinishReason if reason.is_success}
+_ERROR_CODES = {FinishReason.ERROR: "request_failed", FinishReason.CANCELLED: "batch_cancelled"}
 _LINE_ERROR = re.compile(r"line (\d+): (.*)")
 
 
@@ -46,7 +45,7 @@ def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
     if finish in _ERROR_CODES:
         message = row.get("error") or f"the request was {finish}"
         return {**line, "response": None, "error": {"code": _ERROR_CODES[finish], "message": message}}
-    if finish not in ("stop", "length"):
+    if finish not in _SUCCESSES:
         raise ValueError(f"row {row['id']!r}: unknown finish_reason {finish!r}")
     body = _body(row, digest, endpoint=endpoint, model=model, created=created)
     return {**line, "response": {"status_code": 200, "request_id": digest[32:64], "body": body}, "error": None}
@@ -80,21 +79,13 @@ def write_openai_files(rows: Iterable[dict], output_path, error_path, *,
     Both are written under temporary names and renamed at the end, so a reader never sees
     half a file. Returns (successes, errors).
     """
-    tmp_out, tmp_err = f"{output_path}.tmp", f"{error_path}.tmp"
     counts = [0, 0]
-    try:
-        with open(tmp_out, "w", encoding="utf-8") as out, open(tmp_err, "w", encoding="utf-8") as err:
-            for row in rows:
-                line = output_line(row, endpoint=endpoint, model=model, created=created)
-                failed = is_error_line(line)
-                (err if failed else out).write(json.dumps(line, ensure_ascii=False) + "\n")
-                counts[failed] += 1
-        os.replace(tmp_out, output_path)
-        os.replace(tmp_err, error_path)
-    finally:
-        for tmp in (tmp_out, tmp_err):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    with atomic_write(output_path) as out, atomic_write(error_path) as err:
+        for row in rows:
+            line = output_line(row, endpoint=endpoint, model=model, created=created)
+            failed = is_error_line(line)
+            (err if failed else out).write(json.dumps(line, ensure_ascii=False) + "\n")
+            counts[failed] += 1
     return counts[0], counts[1]
 
 

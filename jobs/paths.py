@@ -1,33 +1,33 @@
-"""Where things live under the data root (see docs/contracts.md), and the ledger's URL.
+"""Every name under the data root (see docs/contracts.md): the SQLite ledger, and each job's files.
 
 Job ids are the only user-visible strings that become path components, so they are
 checked against a strict pattern and every derived path is verified to stay under root.
 """
 from __future__ import annotations
 
-import os
 import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 _JOB_ID = re.compile(r"job_[0-9a-f]{16}")
+RESULT_SHARD_GLOB = "shard-*.parquet"  # the committed results of a job, as readers find them
+# An uncommitted attempt in results/_tmp; ".reaper" marks the error rows a reaper writes.
+_TMP_RESULT = re.compile(r"shard-(\d+)\.attempt-(\d+)(\.reaper)?\.parquet")
 
 
-def data_root() -> Path:
-    """The data root: $PIPELINE_DATA_DIR, default ./pipeline-data, as an absolute path."""
-    return Path(os.environ.get("PIPELINE_DATA_DIR") or "./pipeline-data").resolve()
+def default_database_url(root: Path | str) -> str:
+    """The SQLite ledger inside the data root."""
+    return f"sqlite:///{(Path(root).resolve() / 'ledger.sqlite').as_posix()}"
 
 
-def default_database_url(root: Path | str | None = None) -> str:
-    """The SQLite ledger inside the data root (the default root when None)."""
-    root = Path(root).resolve() if root is not None else data_root()
-    return f"sqlite:///{(root / 'ledger.sqlite').as_posix()}"
+def input_shard_name(index: int) -> str:
+    return f"shard-{_index(index):05d}.jsonl"
 
 
-def database_url() -> str:
-    """$PIPELINE_DATABASE_URL, or the SQLite ledger under the data root."""
-    return os.environ.get("PIPELINE_DATABASE_URL") or default_database_url()
+def result_shard_files(results_dir: Path | str) -> list[Path]:
+    """The committed result files of a results directory, in shard order."""
+    return sorted(Path(results_dir).glob(RESULT_SHARD_GLOB))
 
 
 def new_job_id() -> str:
@@ -81,14 +81,23 @@ class JobPaths:
         return self._under_root(self.dir / "stats.parquet")
 
     def input_shard(self, index: int) -> Path:
-        return self._under_root(self.input_dir / f"shard-{_index(index):05d}.jsonl")
+        return self._under_root(self.input_dir / input_shard_name(index))
 
     def result_shard(self, index: int) -> Path:
         return self._under_root(self.results_dir / f"shard-{_index(index):05d}.parquet")
 
-    def tmp_result(self, index: int, attempt: int) -> Path:
-        """Attempt numbers are unique per shard (fencing tokens), so this name is never shared."""
-        return self._under_root(self.tmp_dir / f"shard-{_index(index):05d}.attempt-{_index(attempt)}.parquet")
+    def tmp_result(self, index: int, attempt: int, *, by_reaper: bool = False) -> Path:
+        """Attempt numbers are unique per shard (fencing tokens), so a worker's name is never
+        shared; a reaper writing an exhausted shard's error rows uses its own name."""
+        reaper = ".reaper" if by_reaper else ""
+        return self._under_root(self.tmp_dir / f"shard-{_index(index):05d}.attempt-{_index(attempt)}{reaper}.parquet")
+
+    def tmp_results(self) -> list[tuple[Path, tuple[int, int, bool]]]:
+        """The uncommitted attempts in tmp_dir, each with its (index, attempt, by_reaper)."""
+        if not self.tmp_dir.is_dir():
+            return []
+        found = ((path, _TMP_RESULT.fullmatch(path.name)) for path in self.tmp_dir.iterdir())
+        return [(path, (int(m[1]), int(m[2]), m[3] is not None)) for path, m in found if m]
 
 
 def _index(value: int) -> int:

@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+
+from jobs.atomic import atomic_write, write_durably
+from jobs.paths import result_shard_files
 
 RESULT_SCHEMA = pa.schema([
     ("id", pa.string()),
     ("output", pa.string()),
     ("prompt_tokens", pa.int32()),
     ("output_tokens", pa.int32()),
-    ("finish_reason", pa.string()),  # "stop" | "length" | "error" | "cancelled"
+    ("finish_reason", pa.string()),  # a pipeline.request.FinishReason value
     ("error", pa.string()),
     ("queue_s", pa.float64()),
     ("ttft_s", pa.float64()),
@@ -36,16 +37,12 @@ def write_shard_tmp(rows: list[dict], tmp_path: str | os.PathLike) -> None:
     if unknown:
         raise ValueError(f"result rows have unknown fields: {sorted(unknown)}")
     table = pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
-    tmp_path = Path(tmp_path)
-    tmp_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp_path, "wb") as f:
+    with write_durably(tmp_path, "wb") as f:
         pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _dataset(results_dir: str | os.PathLike) -> ds.Dataset | None:
-    files = sorted(str(p) for p in Path(results_dir).glob("shard-*.parquet"))
+    files = [str(p) for p in result_shard_files(results_dir)]
     return ds.dataset(files, schema=RESULT_SCHEMA, format="parquet") if files else None
 
 
@@ -68,34 +65,10 @@ def iter_result_rows(results_dir: str | os.PathLike, columns: list[str] | None =
 
 
 def export_jsonl(results_dir: str | os.PathLike, out_path: str | os.PathLike) -> int:
-    """Write every committed row as a JSON line to out_path; return the number of rows."""
-    out_path = Path(out_path)
-    tmp = out_path.with_name(out_path.name + ".tmp")
+    """Write every committed row as a JSON line to out_path (atomically); return the number of rows."""
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(out_path) as f:
         for row in iter_result_rows(results_dir):
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, out_path)  # readers never see a half-written export
     return n
-
-
-def remove_stale_tmp(tmp_dir: str | os.PathLike, older_than_s: float) -> int:
-    """Delete files in tmp_dir not modified for older_than_s (attempts of dead workers).
-
-    older_than_s must exceed the lease, so that no live attempt is touched.
-    Returns the number of files removed.
-    """
-    tmp_dir = Path(tmp_dir)
-    if not tmp_dir.is_dir():
-        return 0
-    cutoff = time.time() - older_than_s
-    removed = 0
-    for path in tmp_dir.iterdir():
-        try:
-            if path.is_file() and path.stat().st_mtime < cutoff:
-                path.unlink()
-                removed += 1
-        except FileNotFoundError:  # another cleaner or the commit got there first
-            continue
-    return removed

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from jobs.atomic import atomic_write
 from jobs.results import read_results
+from pipeline.request import FinishReason
+
+_SUCCESSES = pa.array([reason.value for reason in FinishReason if reason.is_success])
 
 _INT_KEYS = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens")
 _FLOAT_KEYS = ("wall_seconds", "output_tok_s", "total_tok_s",
@@ -30,7 +33,7 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     table = read_results(results_dir, columns=[
         "prompt_tokens", "output_tokens", "finish_reason", "ttft_s", "latency_s"])
     reason = table["finish_reason"]
-    ok = pc.fill_null(pc.is_in(reason, value_set=pa.array(["stop", "length"])), False)
+    ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
     prompt_tokens = _sum(table["prompt_tokens"])
     output_tokens = _sum(table["output_tokens"])
     latency = _percentiles(table["latency_s"].filter(ok), (50, 95, 99))
@@ -38,7 +41,7 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     return {
         "total_requests": table.num_rows,
         "completed_requests": pc.sum(ok).as_py() or 0,
-        "failed_requests": pc.sum(pc.equal(reason, "error")).as_py() or 0,
+        "failed_requests": pc.sum(pc.equal(reason, FinishReason.ERROR.value)).as_py() or 0,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "wall_seconds": float(wall_seconds),
@@ -50,17 +53,11 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
 
 
 def write_stats(stats: dict, job_id: str, stats_file: str | os.PathLike) -> None:
-    """Write stats as a one-row Parquet file, atomically (tmp + rename)."""
+    """Write stats as a one-row Parquet file, atomically."""
     row = {"job_id": job_id, **{k: stats.get(k) for k in _INT_KEYS + _FLOAT_KEYS}}
     table = pa.Table.from_pylist([row], schema=STATS_SCHEMA)
-    stats_file = Path(stats_file)
-    stats_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = stats_file.with_name(stats_file.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(stats_file, "wb") as f:
         pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, stats_file)
 
 
 def _sum(column: pa.ChunkedArray) -> int:

@@ -13,6 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger, spec
 from jobs.paths import JobPaths, check_job_id, new_job_id
+from jobs.shards import write_input_shards, write_retry_shards
+from jobs.states import JobStatus
+from pipeline.request import FinishReason
 
 
 def create_job_from_file(
@@ -21,19 +24,20 @@ def create_job_from_file(
 ) -> tuple[str, list[int]]:
     """Validate `path`, shard it under the data root and insert a queued job.
 
-    Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line)
-    when the file has errors, creating nothing.
+    Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
+    including OpenAI lines naming another model than `model`) when the file has errors,
+    creating nothing.
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    # write_shards validates too, but it does not report the format and endpoint the job needs.
-    validation = spec.validate(path, limits)
+    # write_input_shards validates too, but it does not report the format and endpoint the job needs.
+    validation = spec.validate(path, limits, model=model)
     if not validation.ok:
         raise spec.InvalidInput(validation)
     job_id = new_job_id()
     job_paths = JobPaths(root, job_id)
     try:
-        shard_sizes = spec.write_shards(path, job_paths.input_dir, shard_size, limits)
+        shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)
         with Session() as s:
             ledger.create_job(
                 s, job_id=job_id, model=model, engine_options=engine_options,
@@ -68,11 +72,11 @@ def create_retry_job(
         old = ledger.get_job(s, job_id)
     if old is None:
         raise ValueError(f"unknown job {job_id!r}")
-    if old.status not in ledger.JobStatus.TERMINAL:
+    if old.status not in JobStatus.terminal():
         raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried")
     old_paths = JobPaths(root, job_id)
     failed = {row["id"] for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"])
-              if row["finish_reason"] == "error"}
+              if row["finish_reason"] == FinishReason.ERROR}
     if not failed:
         raise NothingToRetry(f"job {job_id} has no failed requests: nothing to retry")
     shard_size = shard_size or old.shard_size
@@ -81,7 +85,7 @@ def create_retry_job(
     new_id = new_job_id()
     new_paths = JobPaths(root, new_id)
     try:
-        sizes = _write_retry_shards(old_paths, old.num_shards, failed, new_paths.input_dir, shard_size)
+        sizes = write_retry_shards(old_paths, old.num_shards, failed, new_paths.input_dir, shard_size)
         if not sizes:  # the failed ids are not in its input shards (should not happen)
             raise NothingToRetry(f"job {job_id}: its failed requests are not in its input shards")
         with Session() as s:
@@ -95,42 +99,3 @@ def create_retry_job(
         shutil.rmtree(new_paths.dir, ignore_errors=True)
         raise
     return new_id, sizes
-
-
-def _write_retry_shards(old_paths: JobPaths, num_shards: int, ids: set[str], out_dir: Path,
-                        shard_size: int) -> list[int]:
-    """Copy the input lines whose id is in `ids`, in input order, into new shard files."""
-    import json
-    import os
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sizes: list[int] = []
-    out = None
-
-    def close(out):
-        out.flush()
-        os.fsync(out.fileno())
-        out.close()
-        os.replace(out.name, out_dir / spec.shard_file_name(len(sizes) - 1))
-
-    try:
-        for index in range(num_shards):
-            with open(old_paths.input_shard(index), encoding="utf-8") as f:
-                for line in f:
-                    if not line.strip() or json.loads(line)["id"] not in ids:
-                        continue
-                    if out is None:
-                        sizes.append(0)
-                        out = open(out_dir / f".{spec.shard_file_name(len(sizes) - 1)}.tmp", "w", encoding="utf-8")
-                    out.write(line if line.endswith("\n") else line + "\n")
-                    sizes[-1] += 1
-                    if sizes[-1] == shard_size:
-                        close(out)
-                        out = None
-        if out is not None:
-            close(out)
-            out = None
-    finally:
-        if out is not None:
-            out.close()
-    return sizes

@@ -5,13 +5,13 @@ from alembic import context
 from sqlalchemy.engine import Connection, make_url
 
 from jobs.ledger import Base, make_engine
-from jobs.paths import database_url
+from jobs.settings import Settings
 
 config = context.config
 if config.config_file_name and config.file_config.has_section("loggers"):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
-URL = config.get_main_option("sqlalchemy.url") or database_url()
+URL = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
 
 
 def _configure(**kwargs) -> None:

@@ -63,7 +63,7 @@ def openai_line(custom_id, url, body):
 def chat_batch(path):
     rows = []
     for cid, messages in CHATS.items():
-        body = {"model": "x", "messages": messages, "temperature": 0}
+        body = {"messages": messages, "temperature": 0}  # no model: the job's
         body["max_completion_tokens" if cid == "mct" else "max_tokens"] = MAX_TOKENS
         rows.append(openai_line(cid, CHAT, body))
     return write_jsonl(path, rows)
@@ -75,7 +75,7 @@ def chat_pipeline(path):
 
 
 def completions_batch(path):
-    return write_jsonl(path, [openai_line(cid, COMPLETIONS, {"model": "x", "prompt": p, "max_tokens": MAX_TOKENS,
+    return write_jsonl(path, [openai_line(cid, COMPLETIONS, {"prompt": p, "max_tokens": MAX_TOKENS,
                                                              "temperature": 0})
                               for cid, p in PROMPTS.items()])
 
@@ -300,7 +300,7 @@ def test_status_json_is_the_batch_of_the_job(runner, data_root, tmp_path, tiny_m
 
 # ---- bad batch lines -----------------------------------------------------------------------------
 
-GOOD = openai_line("a", CHAT, {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+GOOD = openai_line("a", CHAT, {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
 
 
 def bad(custom_id, **changes):
@@ -321,6 +321,7 @@ BAD_LINES = {
     "logprobs": (bad_body("l", logprobs=True), "unsupported field 'logprobs'"),
     "n=2": (bad_body("n", n=2), "n > 1 is not supported"),
     "other url": (bad("o", url=COMPLETIONS, body={"prompt": "Hi"}), "every line of a batch must use the same url"),
+    "other model": (bad_body("g", model="gpt-4o"), "model 'gpt-4o' is not the job's model"),
 }
 
 

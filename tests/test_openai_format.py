@@ -107,7 +107,6 @@ def job(status, **extra):
 
 NOW = (T0 + timedelta(hours=1)).timestamp()
 CASES = {
-    "validating": job("validating"),
     "queued": job("queued"),
     "in_progress": job("in_progress", started_at=T0 + timedelta(seconds=5), completed=4, failed=1,
                        prompt_tokens=100, output_tokens=40),
@@ -125,7 +124,7 @@ CASES = {
     "no_endpoint": job("queued", endpoint=None, completion_window=None,
                        created_at=datetime(2025, 1, 2, 3, 4, 5)),  # naive: UTC
 }
-EXPECTED_STATUS = {"validating": "validating", "queued": "in_progress", "in_progress": "in_progress",
+EXPECTED_STATUS = {"queued": "in_progress", "in_progress": "in_progress",
                    "finalizing": "finalizing", "completed": "completed", "failed": "failed",
                    "cancelling": "cancelling", "cancelled": "cancelled", "expired": "expired",
                    "past_expiry": "expired", "completed_after_expiry": "completed", "no_endpoint": "in_progress"}

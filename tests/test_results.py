@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import duckdb
@@ -11,8 +10,9 @@ import pytest
 
 from jobs import paths
 from jobs.paths import JobPaths, check_job_id, new_job_id
+from jobs.settings import Settings
 from jobs.results import (
-    RESULT_SCHEMA, export_jsonl, iter_result_rows, read_results, remove_stale_tmp, write_shard_tmp,
+    RESULT_SCHEMA, export_jsonl, iter_result_rows, read_results, write_shard_tmp,
 )
 
 JOB = "job_0123456789abcdef"
@@ -77,17 +77,7 @@ def test_iter_and_export_jsonl(jp, tmp_path):
     assert export_jsonl(jp.results_dir, out) == 3
     lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in lines] == ids and lines[0]["output"] == "héllo 0"
-    assert not out.with_name("results.jsonl.tmp").exists()
-
-
-def test_remove_stale_tmp(jp):
-    write_shard_tmp(result_rows(0, 1), jp.tmp_result(0, 1))
-    write_shard_tmp(result_rows(0, 1), jp.tmp_result(0, 2))
-    old = time.time() - 3600
-    os.utime(jp.tmp_result(0, 1), (old, old))
-    assert remove_stale_tmp(jp.tmp_dir, older_than_s=600) == 1
-    assert not jp.tmp_result(0, 1).exists() and jp.tmp_result(0, 2).exists()
-    assert remove_stale_tmp(jp.tmp_dir / "missing", older_than_s=0) == 0
+    assert os.listdir(tmp_path).count("results.jsonl") == 1 and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
 
 
 def test_job_ids():
@@ -124,13 +114,19 @@ def test_job_paths_refuse_a_symlink_out_of_root(data_root, tmp_path):
         JobPaths(data_root, JOB).results_dir
 
 
-def test_data_root_and_database_url(data_root, monkeypatch, tmp_path):
+def test_settings_read_the_environment_once(data_root, monkeypatch, tmp_path):
     monkeypatch.delenv("PIPELINE_DATABASE_URL", raising=False)
-    assert paths.data_root() == data_root
-    assert paths.database_url() == f"sqlite:///{data_root}/ledger.sqlite"
+    settings = Settings.from_env()
+    assert settings.data_dir == data_root
+    assert settings.database_url == f"sqlite:///{data_root}/ledger.sqlite"
     assert paths.default_database_url(tmp_path) == f"sqlite:///{tmp_path}/ledger.sqlite"
     monkeypatch.setenv("PIPELINE_DATABASE_URL", "postgresql+psycopg://u@h/db")
-    assert paths.database_url() == "postgresql+psycopg://u@h/db"
+    monkeypatch.setenv("PIPELINE_LEASE_SECONDS", "2.5")
+    monkeypatch.setenv("PIPELINE_MAX_ATTEMPTS", "")  # empty counts as unset
+    settings = Settings.from_env()
+    assert settings.database_url == "postgresql+psycopg://u@h/db"
+    assert (settings.lease_s, settings.max_attempts) == (2.5, 3)
     monkeypatch.delenv("PIPELINE_DATA_DIR")
     monkeypatch.chdir(tmp_path)
-    assert paths.data_root() == tmp_path.resolve() / "pipeline-data"
+    assert Settings.from_env().data_dir == tmp_path.resolve() / "pipeline-data"
+    assert Settings.from_env(data_dir=tmp_path / "x").data_dir == tmp_path / "x"  # an option wins

@@ -11,7 +11,7 @@ from sqlalchemy import update
 from jobs.ledger import Shard, create_job, get_job, get_shards, request_cancel
 from jobs.paths import JobPaths, new_job_id
 from jobs.results import read_results
-from jobs.spec import shard_file_name
+from jobs.paths import input_shard_name as shard_file_name
 from jobs.submission import create_job_from_file
 from workers.engine_holder import EngineHolder
 from workers.shard_runner import run_shard
@@ -38,19 +38,30 @@ def long_requests(n):
     return [{"id": f"long{i}", "prompt": "Go", "max_tokens": 400, "ignore_eos": True} for i in range(n)]
 
 
+def run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, n_long, then, **kwargs):
+    """Run a shard of one quick request and n_long long ones, calling then(Session, job_id)
+    once the quick one has finished; returns (job_id, outcome)."""
+    job_id = submit(Session, data_root, tmp_path,
+                    [{"id": "quick", "prompt": "Hi", "max_tokens": 1}, *long_requests(n_long)], options)
+    on_result = lambda row: then(Session, job_id) if row["id"] == "quick" else None  # noqa: E731
+    return job_id, run_shard(Session, data_root, job_id, 0, engine_provider=engines.get, worker_name="t",
+                             on_result=on_result, **kwargs)
+
+
+def cancel(Session, job_id):
+    with Session() as s:
+        request_cancel(s, job_id)
+
+
+def another_worker_takes_over(Session, job_id):
+    with Session() as s:
+        s.execute(update(Shard).where(Shard.job_id == job_id).values(attempt=Shard.attempt + 1))
+        s.commit()
+
+
 def test_cancel_stops_the_shard_between_steps(ledger, data_root, tmp_path, engines, options):
     _, Session = ledger
-    job_id = submit(Session, data_root, tmp_path,
-                    [{"id": "quick", "prompt": "Hi", "max_tokens": 1}, *long_requests(3)], options)
-
-    def cancel_on_first_result(row):
-        if row["id"] != "quick":
-            return
-        with Session() as s:
-            request_cancel(s, job_id)
-
-    outcome = run_shard(Session, data_root, job_id, 0, engine_provider=engines.get, worker_name="t",
-                        on_result=cancel_on_first_result)
+    job_id, outcome = run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, 3, cancel)
     assert outcome == "cancelled"
     rows = {r["id"]: r for r in read_results(JobPaths(data_root, job_id).results_dir).to_pylist()}
     assert rows["quick"]["finish_reason"] == "length"
@@ -63,18 +74,8 @@ def test_cancel_stops_the_shard_between_steps(ledger, data_root, tmp_path, engin
 
 def test_a_lost_lease_stops_without_committing(ledger, data_root, tmp_path, engines, options):
     _, Session = ledger
-    job_id = submit(Session, data_root, tmp_path,
-                    [{"id": "quick", "prompt": "Hi", "max_tokens": 1}, *long_requests(2)], options)
-
-    def another_worker_takes_over(row):
-        if row["id"] != "quick":
-            return
-        with Session() as s:
-            s.execute(update(Shard).where(Shard.job_id == job_id).values(attempt=Shard.attempt + 1))
-            s.commit()
-
-    outcome = run_shard(Session, data_root, job_id, 0, engine_provider=engines.get, worker_name="t",
-                        lease_s=0.3, on_result=another_worker_takes_over)
+    job_id, outcome = run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, 2,
+                                                     another_worker_takes_over, lease_s=0.3)
     assert outcome == "lost"
     jp = JobPaths(data_root, job_id)
     assert not jp.result_shard(0).exists() and not list(jp.tmp_dir.glob("*"))

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.spec import (InvalidInput, LineError, Limits, RequestSpec, iter_lines, read_shard,
-                       shard_file_name, validate, write_shards)
+from jobs.paths import input_shard_name as shard_file_name
+from jobs.shards import read_shard, write_input_shards as write_shards
+from jobs.spec import InvalidInput, LineError, Limits, RequestSpec, iter_lines, validate
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -460,3 +461,18 @@ def test_fuzz_never_raises_and_numbers_lines(lines, newline_at_end, small):
     assert len({s.id for s in specs_}) == len(specs_)
     assert all(s.to_dict() == RequestSpec.from_dict(json.loads(json.dumps(s.to_dict()))).to_dict()
                for s in specs_)
+
+
+def test_a_line_naming_another_model_than_the_jobs_is_refused(tmp_path):
+    lines = [batch_line("a", chat_body(model="/models/Qwen2.5-0.5B-Instruct")),  # the job's model as given
+             batch_line("b", chat_body(model="Qwen2.5-0.5B-Instruct")),          # its directory's name
+             batch_line("c", chat_body(model="gpt-4o")),
+             batch_line("d", {k: v for k, v in chat_body().items() if k != "model"})]
+    path = write(tmp_path, lines)
+    v = validate(path, model="/models/Qwen2.5-0.5B-Instruct")
+    assert [(e.line, e.message.split(";")[0]) for e in v.errors] == [
+        (3, "model 'gpt-4o' is not the job's model '/models/Qwen2.5-0.5B-Instruct'")]
+    assert validate(path).ok  # without a job model nothing is compared
+    with pytest.raises(InvalidInput):
+        write_shards(path, str(tmp_path / "s"), 10, model="/models/Qwen2.5-0.5B-Instruct")
+    assert not (tmp_path / "s").exists()

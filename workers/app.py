@@ -1,8 +1,8 @@
 """The Celery app. Tasks carry ids only (never prompts), as JSON; pickle is refused.
 
-Settings come from the environment, shared with the CLI and docker-compose:
-PIPELINE_BROKER_URL (default redis://127.0.0.1:6379/0), PIPELINE_QUEUE (default "pipeline"),
-PIPELINE_VISIBILITY_TIMEOUT (seconds, default 3600).
+Its settings (jobs.settings.Settings) are read from the environment when this module is
+imported (`celery -A workers.app`, producers), or given by `pipeline worker` through
+`configure`; tasks and the worker's signal handlers read them from `app.conf.pipeline_settings`.
 
 The visibility timeout is how long Redis waits for a delivered message's ack before it
 hands the message to another worker. A shard running longer is delivered again while
@@ -12,21 +12,13 @@ covered by the lease and the reaper (workers.recovery), not by this timeout.
 """
 from __future__ import annotations
 
-import os
-
 from celery import Celery
 
-DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-VISIBILITY_TIMEOUT_S = int(os.environ.get("PIPELINE_VISIBILITY_TIMEOUT") or 3600)
+from jobs.settings import Settings
 
-
-def broker_url() -> str:
-    return os.environ.get("PIPELINE_BROKER_URL") or DEFAULT_BROKER_URL
-
-
-app = Celery("pipeline", broker=broker_url(), include=["workers.tasks"])
+# workers.lifecycle holds the signal handlers: importing it connects them.
+app = Celery("pipeline", include=["workers.tasks", "workers.lifecycle"])
 app.conf.update(
-    task_default_queue=os.environ.get("PIPELINE_QUEUE") or "pipeline",
     task_ignore_result=True,  # progress and outcomes live in the ledger
     task_serializer="json",
     result_serializer="json",
@@ -35,12 +27,30 @@ app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,  # shards are long: never hoard them
-    broker_transport_options={
-        "visibility_timeout": VISIBILITY_TIMEOUT_S,
-        # kombu scans for overdue messages every interval * throttle seconds (100 s by
-        # default): keep that well under a short visibility timeout.
-        "unacked_restore_interval": max(1, min(10, VISIBILITY_TIMEOUT_S // 2)),
-        "unacked_restore_throttle": 1 if VISIBILITY_TIMEOUT_S < 600 else 10,
-    },
     broker_connection_retry_on_startup=True,
 )
+
+
+def configure(settings: Settings) -> None:
+    """Point the app at the settings' broker and queue, and keep them for the tasks."""
+    timeout_s = settings.visibility_timeout_s
+    app.conf.update(
+        pipeline_settings=settings,
+        broker_url=settings.broker_url,
+        task_default_queue=settings.queue,
+        broker_transport_options={
+            "visibility_timeout": timeout_s,
+            # kombu scans for overdue messages every interval * throttle seconds (100 s by
+            # default): keep that well under a short visibility timeout.
+            "unacked_restore_interval": max(1, min(10, timeout_s // 2)),
+            "unacked_restore_throttle": 1 if timeout_s < 600 else 10,
+        },
+    )
+
+
+def settings() -> Settings:
+    """The settings the app was configured with."""
+    return app.conf.pipeline_settings
+
+
+configure(Settings.from_env())

@@ -20,49 +20,53 @@ nobody is working on any more although they are not finished:
 
 `recover` is one pass. Every worker runs it every PIPELINE_RECOVERY_INTERVAL seconds
 (default 30; 0 turns it off) in a daemon thread of its main process (started on Celery's
-worker_ready signal; it never builds an engine), and `pipeline recover` runs one pass
-(for cron, or with no worker left). Passes in many processes at once are safe: every
-step is a conditional ledger update that one caller wins.
+worker_ready signal by workers.lifecycle; it never builds an engine), and `pipeline
+recover` runs one pass (for cron, or with no worker left). Passes in many processes at
+once are safe: every step is a conditional ledger update that one caller wins.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
-import re
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import ledger, paths as job_paths_mod
+from jobs import ledger
 from jobs.finalize import finalize_job, refinalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
+from jobs.settings import Settings
+from workers import broker
 from workers.shard_runner import commit_error_rows
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 30.0
-DEFAULT_QUEUED_GRACE_S = 60.0
 DEFAULT_FINALIZE_GRACE_S = 300.0
-_TMP_NAME = re.compile(r"shard-(\d+)\.attempt-(\d+)(\.reaper)?\.parquet")
 
 Enqueue = Callable[[list[tuple[str, int]]], None]
 
 
+def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, worker_name: str | None = None) -> dict:
+    """One pass with the settings' attempts, grace and lease, sending to the settings' broker."""
+    return recover(Session, settings.data_dir, max_attempts=settings.max_attempts,
+                   queued_grace_s=settings.queued_grace_s, lease_s=settings.lease_s, worker_name=worker_name,
+                   enqueue=functools.partial(broker.enqueue_shards, settings),
+                   backlog=functools.partial(broker.backlog, settings))
+
+
 def recover(
     Session: sessionmaker[Session], root, *, max_attempts: int, queued_grace_s: float,
-    enqueue: Enqueue | None = None, backlog: Callable[[], int] | None = None,
-    lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
+    enqueue: Enqueue, backlog: Callable[[], int], lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
     worker_name: str | None = None,
 ) -> dict:
     """One recovery pass over the whole ledger; returns what it did.
 
-    enqueue(shards) sends one task per (job_id, index) (default: the Celery app's
-    broker); backlog() is the number of messages waiting in the broker's queue (default:
-    the length of the app's Redis queue) — the reconciler only runs when it is 0.
+    enqueue(shards) sends one task per (job_id, index); backlog() is the number of
+    messages waiting in the broker's queue — the reconciler only runs when it is 0.
     An enqueue that fails (broker down) is logged and left to a later pass: the shards
     are queued in the ledger, so the reconciler finds them.
 
@@ -70,8 +74,6 @@ def recover(
     with error rows), cancelled (queued shards of cancelling jobs), reenqueued
     (reconciled), finalized (job ids), tmp_removed (files), errors (messages).
     """
-    enqueue = enqueue or enqueue_shards
-    backlog = backlog or broker_backlog
     worker_name = worker_name or f"reaper@{socket.gethostname()}:{os.getpid()}"
     report: dict = {"requeued": [], "exhausted": [], "cancelled": [], "reenqueued": [],
                     "finalized": [], "tmp_removed": 0, "errors": []}
@@ -141,19 +143,14 @@ def sweep_tmp(Session: sessionmaker[Session], root, job_id: str) -> int:
     deleted under a racing writer only makes that writer's commit fail; it cannot make a
     wrong one succeed.) Returns the number of files removed.
     """
-    tmp_dir = JobPaths(root, job_id).tmp_dir
-    if not tmp_dir.is_dir():
-        return 0
-    files = [(p, _TMP_NAME.fullmatch(p.name)) for p in tmp_dir.iterdir()]
-    files = [(p, m) for p, m in files if m]
+    files = JobPaths(root, job_id).tmp_results()
     if not files:
         return 0
     with Session() as s:
         shards = {sh.index: sh for sh in ledger.get_shards(s, job_id)}
     removed = 0
-    for path, match in files:
-        shard = shards.get(int(match[1]))
-        attempt, by_reaper = int(match[2]), match[3] is not None
+    for path, (index, attempt, by_reaper) in files:
+        shard = shards.get(index)
         running = shard is not None and shard.status == ShardStatus.RUNNING
         live = running and (by_reaper or attempt == shard.attempt)
         if shard is None or attempt > shard.attempt or live:
@@ -175,7 +172,7 @@ def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, w
     error = (f"the shard's worker stopped responding on each of its {max_attempts} attempts "
              f"(last: {last_worker}); the shard is given up")
     log.warning("recovery: shard %s/%d: %s", job_id, index, error)
-    tmp = JobPaths(root, job_id).tmp_dir / f"shard-{index:05d}.attempt-{attempt}.reaper.parquet"
+    tmp = JobPaths(root, job_id).tmp_result(index, attempt, by_reaper=True)
     try:
         return commit_error_rows(Session, root, job_id, index, attempt, error, tmp_path=tmp)
     except (OSError, ValueError) as e:  # the input shard is gone or unreadable: no rows to write
@@ -202,52 +199,13 @@ def _guard(report: dict, job_id: str, fn, *args):
         return None
 
 
-# --- the broker side (Celery, Redis) --------------------------------------------------------
-
-def enqueue_shards(shards: Iterable[tuple[str, int]], url: str | None = None) -> None:
-    """Send one shard task per (job_id, index) to the broker (default: the app's)."""
-    from workers.tasks import run_shard_task
-    from workers.app import app
-
-    shards = list(shards)
-    with app.connection_for_write(url or app.conf.broker_url) as conn, conn.Producer() as producer:
-        for job_id, index in shards:
-            run_shard_task.apply_async((job_id, index), producer=producer)
-
-
-def broker_backlog(url: str | None = None, queue: str | None = None) -> int:
-    """Messages waiting in the app's Redis queue (not those delivered and unacknowledged)."""
-    import redis
-
-    from workers.app import app
-
-    client = redis.Redis.from_url(url or app.conf.broker_url, socket_connect_timeout=5, socket_timeout=5)
-    try:
-        return int(client.llen(queue or app.conf.task_default_queue))
-    finally:
-        client.close()
-
-
-@functools.cache
-def _session_factory():
-    # The recovery thread's own pool, never the tasks' (and dropped in forked children).
-    return ledger.session_factory(ledger.make_engine(job_paths_mod.database_url()))
-
-
-def interval_from_env() -> float:
-    return float(os.environ.get("PIPELINE_RECOVERY_INTERVAL") or DEFAULT_INTERVAL_S)
-
-
-def queued_grace_from_env() -> float:
-    return float(os.environ.get("PIPELINE_QUEUED_GRACE_SECONDS") or DEFAULT_QUEUED_GRACE_S)
-
-
 class RecoveryThread:
     """Runs `recover` every interval_s seconds in a daemon thread until stop()."""
 
-    def __init__(self, interval_s: float, **recover_kwargs):
-        self.interval_s = interval_s
-        self.recover_kwargs = recover_kwargs
+    def __init__(self, settings: Settings, worker_name: str | None = None):
+        self.settings, self.worker_name = settings, worker_name
+        self.interval_s = settings.recovery_interval_s
+        self.Session: sessionmaker[Session] | None = None  # its own pool, never the tasks'
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipeline-recovery", daemon=True)
 
@@ -261,7 +219,9 @@ class RecoveryThread:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                report = recover(_session_factory(), job_paths_mod.data_root(), **self.recover_kwargs)
+                if self.Session is None:
+                    self.Session = ledger.session_factory(ledger.make_engine(self.settings.database_url))
+                report = recover_with_broker(self.settings, self.Session, worker_name=self.worker_name)
             except Exception:  # the database is away: try again next time
                 log.exception("recovery pass failed")
                 continue
@@ -275,15 +235,13 @@ class RecoveryThread:
 _thread: RecoveryThread | None = None
 
 
-def start_thread(*, max_attempts: int, lease_s: float, worker_name: str | None = None) -> RecoveryThread | None:
-    """Start this process's recovery thread (once) unless PIPELINE_RECOVERY_INTERVAL is 0."""
+def start_thread(settings: Settings, worker_name: str | None = None) -> RecoveryThread | None:
+    """Start this process's recovery thread (once) unless its interval is 0."""
     global _thread
-    interval = interval_from_env()
-    if _thread is not None or interval <= 0:
+    if _thread is not None or settings.recovery_interval_s <= 0:
         return _thread
-    _thread = RecoveryThread(interval, max_attempts=max_attempts, queued_grace_s=queued_grace_from_env(),
-                             lease_s=lease_s, worker_name=worker_name).start()
-    log.info("recovery thread started: a pass every %.3g s", interval)
+    _thread = RecoveryThread(settings, worker_name).start()
+    log.info("recovery thread started: a pass every %.3g s", settings.recovery_interval_s)
     return _thread
 
 
@@ -294,5 +252,5 @@ def stop_thread() -> None:
 
 def forget_pool_after_fork() -> None:
     """In a forked child: drop the parent's ledger connections without closing them."""
-    if _session_factory.cache_info().currsize:
-        _session_factory().kw["bind"].dispose(close=False)
+    if _thread is not None and _thread.Session is not None:
+        _thread.Session.kw["bind"].dispose(close=False)

@@ -14,6 +14,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import fields
+from enum import Enum
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,15 +24,28 @@ from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.results import write_shard_tmp
-from jobs.spec import RequestSpec, read_shard
-from pipeline.request import Request, RequestOutput
+from jobs.shards import read_shard
+from jobs.spec import RequestSpec
+from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.5
-_OK = ("stop", "length")
 _shutdown = threading.Event()
+
+
+class ShardOutcome(str, Enum):
+    """What one run_shard call did (see run_shard); the last three are committed shard statuses."""
+    SKIPPED = "skipped"
+    BUSY = "busy"
+    LOST = "lost"
+    RELEASED = "released"
+    COMPLETED = ShardStatus.COMPLETED.value
+    CANCELLED = ShardStatus.CANCELLED.value
+    FAILED = ShardStatus.FAILED.value
+
+    __str__ = str.__str__  # the plain word, as the task's return value and in logs
 
 
 def request_shutdown() -> None:
@@ -42,7 +57,7 @@ def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
     engine_provider: Callable[[dict], object], worker_name: str, lease_s: float = 60,
     max_attempts: int = 3, on_result: Callable[[dict], None] | None = None,
-) -> str:
+) -> ShardOutcome:
     """Run shard `index` of `job_id`; returns its outcome.
 
     "skipped": nothing to do (shard done or cancelled, job not live); "busy": running
@@ -58,12 +73,13 @@ def run_shard(
     on_result(row) is called for each result row as it is made (progress bars).
     """
     if _shutdown.is_set():
-        return "released"  # never claimed: the caller re-enqueues it as for a released one
+        return ShardOutcome.RELEASED  # never claimed: the caller re-enqueues it as for a released one
     with Session() as s:
         attempt = ledger.claim_shard(s, job_id, index, worker_name, lease_s, max_attempts)
         shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
         if attempt is None or shard is None:  # (None: a message for a job that no longer exists)
-            return "busy" if shard is not None and shard.status == ShardStatus.RUNNING else "skipped"
+            busy = shard is not None and shard.status == ShardStatus.RUNNING
+            return ShardOutcome.BUSY if busy else ShardOutcome.SKIPPED
         job = ledger.get_job(s, job_id)
     paths = JobPaths(root, job_id)
     specs = read_shard(paths.input_shard(index))
@@ -80,27 +96,25 @@ def run_shard(
             error = f"the shard failed {max_attempts} times; last error: {type(e).__name__}: {e}"
             rows, status = _error_rows(specs, index, attempt, error), ShardStatus.FAILED
         if lease.lost.is_set():
-            return "lost"
+            return ShardOutcome.LOST
         if status == ShardStatus.COMPLETED and interrupted and _shutdown.is_set():
             lease.stop()  # no renewal may race the release
             with Session() as s:
                 released = ledger.release_shard(s, job_id, index, attempt)
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
-            return "released" if released else "lost"
+            return ShardOutcome.RELEASED if released else ShardOutcome.LOST
         if not _commit(Session, paths, job_id, index, attempt, rows, status):
-            return "lost"
+            return ShardOutcome.LOST
     finally:
         lease.stop()
     finalize_job(Session, root, job_id)
-    return status
+    return ShardOutcome(status)
 
 
 def to_request(spec: RequestSpec) -> Request:
     """The engine request of a shard line; ValueError if the engine rejects its settings."""
-    params = SamplingParams(
-        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-        min_p=spec.min_p, repetition_penalty=spec.repetition_penalty, seed=spec.seed,
-        stop=list(spec.stop), ignore_eos=spec.ignore_eos)
+    # Every sampling setting a shard line carries (stop_token_ids is engine-only).
+    params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)})
     return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params)
 
 
@@ -144,11 +158,11 @@ def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
 def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None) -> bool:
     tmp = tmp or paths.tmp_result(index, attempt)
     write_shard_tmp(rows, tmp)
-    ok = [r for r in rows if r["finish_reason"] in _OK]
+    ok = [r for r in rows if FinishReason(r["finish_reason"]).is_success]
     with Session() as s:
         return ledger.commit_shard(
             s, job_id, index, attempt, completed=len(ok),
-            failed=sum(r["finish_reason"] == "error" for r in rows),
+            failed=sum(r["finish_reason"] == FinishReason.ERROR for r in rows),
             prompt_tokens=sum(r["prompt_tokens"] for r in rows),
             output_tokens=sum(r["output_tokens"] for r in rows),
             tmp_path=tmp, final_path=paths.result_shard(index), status=status)
@@ -164,12 +178,12 @@ def _row(out: RequestOutput, index: int, attempt: int) -> dict:
 def _cancelled_row(request_id: str, waited: float, index: int, attempt: int) -> dict:
     # It waited from the shard's start until the cancel, and got nothing.
     return {"id": request_id, "output": "", "prompt_tokens": 0, "output_tokens": 0,
-            "finish_reason": "cancelled", "error": None, "queue_s": waited, "ttft_s": None,
+            "finish_reason": FinishReason.CANCELLED, "error": None, "queue_s": waited, "ttft_s": None,
             "latency_s": waited, "shard": index, "attempt": attempt}
 
 
 def _error_output(request_id: str, error: str) -> RequestOutput:
-    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason="error", error=error,
+    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=error,
                          prompt_tokens=0, output_tokens=0, queue_s=0.0, ttft_s=None, latency_s=0.0)
 
 

@@ -1,0 +1,55 @@
+"""The job ledger: SQLAlchemy models for jobs and shards, and the operations on them.
+
+Works on SQLite (the single-machine default) and PostgreSQL (shared by workers on
+many machines). Every state transition is one conditional ``UPDATE ... WHERE
+<expected state>`` whose rowcount says whether this caller won, so two workers can
+never both claim a shard, commit the same shard, or finalize the same job.
+
+Decisions:
+
+* ``Shard.attempt`` is a fencing token: it only ever increases, and renewing or
+  committing requires the caller's attempt to be the current one. A graceful
+  ``release_shard`` (SIGTERM) increments ``Shard.releases`` instead of decrementing
+  the attempt, and ``max_attempts`` counts ``attempt - releases``, so a shutdown does
+  not use up an attempt yet a released worker can never commit over its successor.
+* While a shard is queued, ``lease_expires_at`` holds when it was last (re)queued: the
+  end of its last lease, or when a reconciler last re-enqueued it (``touch_queued``);
+  null if neither. ``queued_shards`` uses it to tell how long it has waited.
+* Recovery (workers.recovery) is built from conditional updates too (recovery_queries): the reaper's
+  ``expired_shards`` and ``take_over_expired``, the reconciler's ``queued_shards`` and
+  ``touch_queued``, ``cancel_orphaned_shards``, ``unfinalized_jobs`` and
+  ``retake_finalize``; many recovery passes at once each win a given step once.
+* OpenAI semantics for the job outcome: a job that ran to the end is ``completed``
+  even if some (or all) requests or shards failed — failures are error rows in the
+  results. ``failed`` is for the batch itself failing (e.g. the model cannot load),
+  decided by the caller of ``finish_job``.
+* Timestamps come from the caller's clock (UTC); hosts sharing a PostgreSQL ledger
+  need synchronised clocks, with leases much longer than any skew.
+
+The package: models (tables, JobStatus, ShardStatus), database (engines, sessions,
+migrations), job_states (the job state machine), shard_leases (claim, renew, release,
+commit, fail), recovery_queries (the reaper's and reconciler's steps), conditional (the
+conditional UPDATE they all use). Callers import from `jobs.ledger` itself.
+"""
+from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
+from jobs.ledger.job_states import (
+    create_job, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, list_jobs,
+    request_cancel, try_finalize,
+)
+from jobs.ledger.models import (
+    INPUT_FORMATS, STATS_COLUMNS, Base, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
+)
+from jobs.ledger.recovery_queries import (
+    active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize,
+    stale_finalizing_jobs, take_over_expired, touch_queued, unfinalized_jobs,
+)
+from jobs.ledger.shard_leases import claim_shard, commit_shard, fail_shard, release_shard, renew_lease
+
+__all__ = [
+    "INPUT_FORMATS", "STATS_COLUMNS", "Base", "Job", "JobStatus", "Shard", "ShardStatus", "UTCDateTime",
+    "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "ensure_schema",
+    "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
+    "job_counts", "list_jobs", "make_engine", "open_sessions", "queued_shards", "release_shard", "renew_lease",
+    "request_cancel", "retake_finalize", "session_factory", "stale_finalizing_jobs", "take_over_expired",
+    "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+]

@@ -1,0 +1,153 @@
+"""The job state machine: create, read, cancel, claim the finalization, finish."""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import case, func, select, update
+from sqlalchemy.orm import Session
+
+from jobs import paths
+from jobs.ledger.conditional import commit_if_won, execute
+from jobs.ledger.models import INPUT_FORMATS, STATS_COLUMNS, Job, JobStatus, Shard, ShardStatus, utcnow
+
+
+def create_job(
+    s: Session, *, job_id: str, model: str, engine_options: dict, input_format: str,
+    endpoint: str | None, input_path: str, results_path: str, shard_size: int,
+    shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
+) -> Job:
+    """Insert a queued job with one queued shard per entry of shard_sizes."""
+    paths.check_job_id(job_id)
+    if input_format not in INPUT_FORMATS:
+        raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
+    job = Job(
+        id=job_id, status=JobStatus.QUEUED, model=model, engine_options=engine_options,
+        input_format=input_format, endpoint=endpoint, input_path=str(input_path),
+        results_path=str(results_path), shard_size=shard_size, num_shards=len(shard_sizes),
+        completion_window=completion_window, metadata_=metadata,
+        total_requests=sum(shard_sizes),
+    )
+    s.add(job)
+    s.flush()  # the job row must exist before its shards reference it
+    s.add_all(Shard(job_id=job_id, index=i, status=ShardStatus.QUEUED, num_requests=n)
+              for i, n in enumerate(shard_sizes))
+    s.commit()
+    return job
+
+
+def get_job(s: Session, job_id: str) -> Job | None:
+    job = s.get(Job, job_id, populate_existing=True)
+    s.commit()
+    return job
+
+
+def list_jobs(s: Session, limit: int = 50) -> list[Job]:
+    """The newest jobs first."""
+    stmt = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    jobs = list(s.scalars(stmt.execution_options(populate_existing=True)))
+    s.commit()
+    return jobs
+
+
+def get_shards(s: Session, job_id: str) -> list[Shard]:
+    stmt = select(Shard).where(Shard.job_id == job_id).order_by(Shard.index)
+    shards = list(s.scalars(stmt.execution_options(populate_existing=True)))
+    s.commit()
+    return shards
+
+
+def job_counts(s: Session, job_id: str) -> dict:
+    """Progress summed over the job's shards, plus the number of shards in each status."""
+    rows = s.execute(
+        select(Shard.status, func.count(), func.sum(Shard.num_requests),
+               func.sum(Shard.completed_requests), func.sum(Shard.failed_requests),
+               func.sum(Shard.prompt_tokens), func.sum(Shard.output_tokens))
+        .where(Shard.job_id == job_id).group_by(Shard.status)
+    ).all()
+    s.commit()
+    keys = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens")
+    counts: dict[str, Any] = dict.fromkeys(keys, 0)
+    counts["shards"] = {}
+    for status, n_shards, *sums in rows:
+        counts["shards"][status] = n_shards
+        for key, value in zip(keys, sums):
+            counts[key] += int(value or 0)
+    return counts
+
+
+def job_as_dict(job: Job) -> dict:
+    """Every column of the job keyed by column name (so ``metadata``), datetimes kept."""
+    return {attr.columns[0].name: getattr(job, attr.key) for attr in Job.__mapper__.column_attrs}
+
+
+def is_cancelling(s: Session, job_id: str) -> bool:
+    """True once cancellation was requested (cancelling or cancelled)."""
+    status = s.scalar(select(Job.status).where(Job.id == job_id))
+    s.commit()
+    return status in (JobStatus.CANCELLING, JobStatus.CANCELLED)
+
+
+def request_cancel(s: Session, job_id: str) -> bool:
+    """queued|in_progress → cancelling, and its queued shards → cancelled.
+
+    Shards already running finish as "cancelled" through commit_shard when their worker
+    notices (is_cancelling). The caller should then try_finalize, which may win at once
+    when no shard was running.
+    """
+    now = utcnow()
+    # Shards before the job row: the same lock order as claim/commit, so PostgreSQL cannot deadlock.
+    execute(s, update(Shard)
+             .where(Shard.job_id == job_id, Shard.status == ShardStatus.QUEUED)
+             .values(status=ShardStatus.CANCELLED, finished_at=now))
+    won = execute(s, update(Job)
+                   .where(Job.id == job_id, Job.status.in_(
+                       JobStatus.live()))
+                   .values(status=JobStatus.CANCELLING, cancelling_at=now)).rowcount == 1
+    if won:
+        s.commit()
+    else:
+        s.rollback()
+    return won
+
+
+def try_finalize(s: Session, job_id: str) -> bool:
+    """Claim the job's finalization once none of its shards is queued or running.
+
+    Exactly one caller gets True: queued|in_progress jobs move to finalizing, cancelling
+    jobs stay cancelling; finalizing_at marks the claim in both cases. The winner
+    computes the stats and calls finish_job.
+    """
+    unfinished = (select(Shard.index)
+                  .where(Shard.job_id == job_id,
+                         Shard.status.in_(ShardStatus.unfinished()))
+                  .exists())
+    stmt = (update(Job)
+            .where(Job.id == job_id, Job.finalizing_at.is_(None), ~unfinished,
+                   Job.status.in_((JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING)))
+            .values(finalizing_at=utcnow(),
+                    status=case((Job.status == JobStatus.CANCELLING, JobStatus.CANCELLING),
+                                else_=JobStatus.FINALIZING)))
+    return commit_if_won(s, stmt)
+
+
+def finish_job(s: Session, job_id: str, status: str, stats: dict | None, error: str | None = None) -> bool:
+    """finalizing → completed|failed, or cancelling → cancelled|failed, with the stats columns.
+
+    stats is compute_stats()'s dict; its total_requests is ignored (the ledger keeps the
+    number of input requests), any other key must be one of STATS_COLUMNS.
+    """
+    allowed_from = {
+        JobStatus.COMPLETED: (JobStatus.FINALIZING,),
+        JobStatus.CANCELLED: (JobStatus.CANCELLING,),
+        JobStatus.FAILED: (JobStatus.FINALIZING, JobStatus.CANCELLING),
+    }
+    if status not in allowed_from:
+        raise ValueError(f"cannot finish a job as {status!r}")
+    values = {k: v for k, v in (stats or {}).items() if k != "total_requests"}
+    unknown = set(values) - set(STATS_COLUMNS)
+    if unknown:
+        raise ValueError(f"unknown stats keys: {sorted(unknown)}")
+    stmt = (update(Job)
+            .where(Job.id == job_id, Job.status.in_(allowed_from[status]))
+            .values(status=status, finished_at=utcnow(), error=error, **values))
+    return commit_if_won(s, stmt)

@@ -1,0 +1,112 @@
+"""The ledger's tables (jobs, shards) and the states their rows move through."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from jobs.states import JobStatus, ShardStatus  # noqa: F401  (the states of these rows)
+
+INPUT_FORMATS = ("pipeline", "openai")
+# Ledger columns filled from jobs.stats.compute_stats by finish_job. total_requests is
+# left out on purpose: it stays the number of input requests.
+STATS_COLUMNS = (
+    "completed_requests", "failed_requests", "prompt_tokens", "output_tokens",
+    "wall_seconds", "output_tok_s", "total_tok_s",
+    "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Stores UTC and always returns aware datetimes (SQLite would drop the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the ledger; use an aware UTC datetime")
+        value = value.astimezone(timezone.utc)
+        # SQLite keeps text without an offset; always-UTC text compares correctly.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    })
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    status: Mapped[str] = mapped_column(String, index=True)
+    model: Mapped[str] = mapped_column(String)
+    engine_options: Mapped[dict] = mapped_column(JSON)
+    input_format: Mapped[str] = mapped_column(String)
+    endpoint: Mapped[str | None] = mapped_column(String)
+    input_path: Mapped[str] = mapped_column(String)
+    results_path: Mapped[str] = mapped_column(String)
+    shard_size: Mapped[int] = mapped_column(Integer)
+    num_shards: Mapped[int] = mapped_column(Integer)
+    completion_window: Mapped[str | None] = mapped_column(String)
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    total_requests: Mapped[int] = mapped_column(Integer, default=0)
+    completed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    failed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    wall_seconds: Mapped[float | None] = mapped_column(Float)
+    output_tok_s: Mapped[float | None] = mapped_column(Float)
+    total_tok_s: Mapped[float | None] = mapped_column(Float)
+    latency_p50: Mapped[float | None] = mapped_column(Float)
+    latency_p95: Mapped[float | None] = mapped_column(Float)
+    latency_p99: Mapped[float | None] = mapped_column(Float)
+    ttft_p50: Mapped[float | None] = mapped_column(Float)
+    ttft_p95: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (Index("ix_shards_status_lease", "status", "lease_expires_at"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    status: Mapped[str] = mapped_column(String)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    releases: Mapped[int] = mapped_column(Integer, default=0)
+    num_requests: Mapped[int] = mapped_column(Integer, default=0)
+    completed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    failed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    error: Mapped[str | None] = mapped_column(Text)

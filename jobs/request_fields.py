@@ -1,0 +1,227 @@
+"""Checking the fields of one input request, and the sampling settings' defaults and ranges.
+
+The ranges here are the ones a job's input must keep to (stricter than what the engine's
+SamplingParams accepts); the defaults are SamplingParams' own, so they have one source.
+Each check raises Bad with the message the user reads for that line.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, fields
+
+from pipeline.sampling_params import SamplingParams
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+_OPENAI_INPUT_KEY = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+
+
+class Bad(Exception):
+    """One problem with one line; its message is what the user reads."""
+
+
+def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[str]):
+    """Map an OpenAI request body onto our fields: (model, request fields, labels naming them in errors)."""
+    key = _OPENAI_INPUT_KEY[endpoint]
+    for k in sorted(body.keys() - _OPENAI_BODY_KEYS - {key}):
+        hint = f" in a {endpoint} body (use {key})" if k in _OPENAI_INPUT_KEY.values() else ""
+        problems.append(f"unsupported field {k!r}{hint}")
+    if body.get(key) is None:
+        problems.append(f"missing body.{key}")
+    n = body.get("n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            problems.append(f"n must be an integer, got {describe(n)}")
+        elif n > 1:
+            problems.append(f"n > 1 is not supported (got n={n}); repeat the request on several lines instead")
+        elif n < 1:
+            problems.append(f"n must be 1, got {n}")
+    model = body.get("model")
+    if model is not None:
+        model = check(string, "model", model, max_model_chars, problems)
+    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS)}
+    labels = {}
+    if body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            problems.append("give max_tokens or max_completion_tokens, not both")
+        req["max_tokens"], labels["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
+    return model, req, labels
+
+
+def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
+    """The prompt or messages of a request (presence is checked by the format-specific code)."""
+    out = {"prompt": None, "messages": None}
+    prompt, messages = req.get("prompt"), req.get("messages")
+    if prompt is not None:
+        out["prompt"] = check(_prompt, "prompt", prompt, max_chars, problems)
+    if messages is not None:
+        out["messages"] = check(_messages, "messages", messages, max_chars, problems)
+    return out
+
+
+def sampling_settings(req: dict, labels: dict, problems: list[str]) -> dict:
+    """Checked sampling settings, defaults for absent or null ones; errors use the input's names."""
+    out = {}
+    for key, default in SAMPLING_DEFAULTS.items():
+        value = req.get(key)
+        out[key] = list(default) if isinstance(default, list) else default  # never share a default list
+        if value is not None:
+            out[key] = check(SAMPLING_CHECKS[key], labels.get(key, key), value, None, problems)
+    return out
+
+
+def check(fn, name: str, value, arg, problems: list[str]):
+    """Run one field check, turning its failure into a problem of the line."""
+    try:
+        return fn(name, value, arg)
+    except Bad as e:
+        problems.append(str(e))
+
+
+def _int_in(lo: int, hi: int | None):
+    def check(name, v, _):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise Bad(f"{name} must be an integer, got {describe(v)}")
+        if v < lo or (hi is not None and v > hi):
+            allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise Bad(f"{name} must be {allowed}, got {v}")
+        return v
+    return check
+
+
+def _float_in(ok, allowed: str):
+    def check(name, v, _):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise Bad(f"{name} must be a number {allowed}, got {describe(v)}")
+        if not math.isfinite(v) or not ok(v):
+            raise Bad(f"{name} must be a number {allowed}, got {v}")
+        return float(v)
+    return check
+
+
+def _stop(name, v, _):
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise Bad(f"{name} must be a string or a list of strings, got {describe(v)}")
+    if len(items) > 16:
+        raise Bad(f"{name} has {len(items)} strings; at most 16 are allowed")
+    for i, s in enumerate(items):
+        if not s:
+            raise Bad(f"{name} strings must be non-empty (item {i} is empty)")
+        _encodable(f"{name}[{i}]", s)
+    return list(items)
+
+
+def _bool(name, v, _):
+    if not isinstance(v, bool):
+        raise Bad(f"{name} must be true or false, got {describe(v)}")
+    return v
+
+
+
+
+def string(name, v, max_chars):
+    if not isinstance(v, str) or not v:
+        raise Bad(f"{name} must be a non-empty string, got {describe(v)}")
+    if len(v) > max_chars:
+        raise Bad(f"{name} has {len(v)} characters; the limit is {max_chars}")
+    _encodable(name, v)
+    return v
+
+
+
+def _prompt(name, v, max_chars):
+    if isinstance(v, list):
+        raise Bad(f"{name} must be a single string; a list of prompts or token ids is not supported "
+                   "(put each prompt on its own line)")
+    if isinstance(v, str) and not v:
+        raise Bad(f"{name} is empty")
+    return string(name, v, max_chars)
+
+
+def _messages(name, v, max_chars):
+    if not isinstance(v, list) or not v:
+        raise Bad(f"{name} must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(v)}")
+    out, total = [], 0
+    for i, m in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(m, dict):
+            raise Bad(f"{where} must be an object with role and content, got {describe(m)}")
+        extra = sorted(m.keys() - {"role", "content"})
+        if extra:
+            raise Bad(f"{where} has unsupported field {extra[0]!r} (only role and content are allowed)")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise Bad(f"{where}.role must be a non-empty string, got {describe(role)}")
+        if not isinstance(content, str):
+            parts = " (lists of content parts are not supported)" if isinstance(content, list) else ""
+            raise Bad(f"{where}.content must be a string{parts}, got {describe(content)}")
+        _encodable(f"{where}.role", role)
+        _encodable(f"{where}.content", content)
+        total += len(content)
+        out.append({"role": role, "content": content})
+    if total > max_chars:
+        raise Bad(f"{name} have {total} characters of content in all; the limit is {max_chars}")
+    return out
+
+
+def _encodable(name: str, s: str) -> None:
+    """Reject lone surrogates (legal as JSON \\ud800 escapes, but not text a tokenizer can take)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Bad(f"{name} contains an unpaired surrogate {s[e.start]!a}") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not allowed (numbers must be finite)")
+
+
+DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def too_deep(value, limit: int) -> bool:
+    """Whether containers nest more than `limit` levels; iterative, so deep input cannot recurse."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def describe(v) -> str:
+    """A short, human description of a JSON value for error messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return repr(v) if len(v) <= 40 else f"a string of {len(v)} characters"
+    if isinstance(v, list):
+        return "a list" if v else "an empty list"
+    return "an object"
+
+
+# The sampling settings an input line may give, each with the range a job accepts.
+SAMPLING_CHECKS = {
+    "max_tokens": _int_in(1, 1_000_000),
+    "temperature": _float_in(lambda x: 0 <= x <= 2, "between 0 and 2"),
+    "top_p": _float_in(lambda x: 0 < x <= 1, "in (0, 1]"),
+    "top_k": _int_in(0, None),
+    "min_p": _float_in(lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "repetition_penalty": _float_in(lambda x: 0 < x <= 10, "in (0, 10]"),
+    "seed": _int_in(-2**63, 2**63 - 1),
+    "stop": _stop,
+    "ignore_eos": _bool,
+}
+
+# Their defaults are the engine's (an absent or null setting gets it).
+SAMPLING_DEFAULTS = {f.name: f.default_factory() if f.default is MISSING else f.default
+                     for f in fields(SamplingParams) if f.name in SAMPLING_CHECKS}
+# Body fields of an OpenAI batch line we honour; top_k and the rest are extensions.
+_OPENAI_BODY_KEYS = {"model", "n", "max_completion_tokens", *SAMPLING_DEFAULTS}

@@ -1,0 +1,69 @@
+"""The deployment's settings, read once and passed down.
+
+Every PIPELINE_* variable, its default and its type are declared here and nowhere else:
+the CLI's options take their `envvar=` and defaults from these fields, the Celery app
+and its tasks get a Settings object, and jobs/ functions take plain arguments. Plain
+values only (a broker URL is a string), so this module knows nothing of Celery.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from jobs.paths import default_database_url
+
+
+def _setting(env: str, default):
+    return field(default=default, metadata={"env": env})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """data_dir is made absolute; database_url None means the SQLite ledger in data_dir."""
+    data_dir: Path = _setting("PIPELINE_DATA_DIR", "./pipeline-data")
+    database_url: str | None = _setting("PIPELINE_DATABASE_URL", None)
+    broker_url: str = _setting("PIPELINE_BROKER_URL", "redis://127.0.0.1:6379/0")
+    queue: str = _setting("PIPELINE_QUEUE", "pipeline")
+    lease_s: float = _setting("PIPELINE_LEASE_SECONDS", 60.0)
+    max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", 3)
+    # How long Redis waits for a delivered shard's ack before handing it to another worker.
+    visibility_timeout_s: int = _setting("PIPELINE_VISIBILITY_TIMEOUT", 3600)
+    recovery_interval_s: float = _setting("PIPELINE_RECOVERY_INTERVAL", 30.0)  # 0: no recovery thread
+    queued_grace_s: float = _setting("PIPELINE_QUEUED_GRACE_SECONDS", 60.0)
+
+    def __post_init__(self) -> None:
+        # frozen: the normalised values are set once, here
+        object.__setattr__(self, "data_dir", Path(self.data_dir).resolve())
+        if not self.database_url:
+            object.__setattr__(self, "database_url", default_database_url(self.data_dir))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Settings":
+        """The variables set (an empty one counts as unset), then `overrides` (e.g. CLI options)."""
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw:
+                values[f.name] = _parse(f.default, raw)
+        return cls(**{**values, **overrides})
+
+
+def env_var(name: str) -> str:
+    """The PIPELINE_* variable of the setting `name`."""
+    return _field(name).metadata["env"]
+
+
+def default(name: str):
+    """The default of the setting `name`."""
+    return _field(name).default
+
+
+def _field(name: str):
+    return next(f for f in fields(Settings) if f.name == name)
+
+
+def _parse(default_value, raw: str):
+    # The default's type is the setting's type (a None default is a string setting).
+    return raw if default_value is None else type(default_value)(raw)

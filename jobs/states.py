@@ -1,0 +1,56 @@
+"""The states a job and a shard move through, as str-valued enums (the ledger stores the words)."""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class _Word(str, Enum):
+    """An enum whose members print, format and compare as their plain word."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class JobStatus(_Word):
+    """Job lifecycle (OpenAI batch statuses): queued -> in_progress -> finalizing ->
+    completed | failed; cancelling -> cancelled."""
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    # Not reached yet: completion windows (a separate issue) will expire unfinished jobs;
+    # batch_object already reports a job past its expires_at as "expired".
+    EXPIRED = "expired"
+
+    @classmethod
+    def terminal(cls) -> frozenset[JobStatus]:
+        return _TERMINAL_JOB
+
+    @classmethod
+    def live(cls) -> tuple[JobStatus, ...]:
+        """The statuses in which shards may still be claimed."""
+        return (cls.QUEUED, cls.IN_PROGRESS)
+
+
+class ShardStatus(_Word):
+    """Shard lifecycle: queued -> running -> completed | failed; cancelled."""
+
+    @classmethod
+    def unfinished(cls) -> tuple[ShardStatus, ...]:
+        return (cls.QUEUED, cls.RUNNING)
+
+    @classmethod
+    def terminal(cls) -> frozenset[ShardStatus]:
+        return frozenset(set(cls) - set(cls.unfinished()))
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_TERMINAL_JOB = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED})

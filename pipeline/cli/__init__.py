@@ -1,0 +1,32 @@
+"""The `pipeline` command line: one click group over thin commands; heavy imports inside them.
+
+job_commands (submit, run, retry, cancel), query_commands (status, list, results),
+ops_commands (worker, recover, db upgrade, bench), options (the settings and engine
+option bundles), render (what they print), errors (exit codes).
+"""
+from __future__ import annotations
+
+import click
+
+from pipeline.cli import job_commands, ops_commands, query_commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Batch LLM inference: submit a JSONL of prompts, get Parquet results and a job ledger.
+
+    \b
+    Exit codes:
+      0  success (a job that ran to the end is completed even if some requests errored)
+      1  the job failed or was cancelled, or the operation failed
+      2  bad usage: invalid input file (every bad line is listed), bad option, unknown job
+      3  the broker (Redis) is unreachable
+      130  `pipeline run` was interrupted (Ctrl-C); its job is cancelled
+    """
+
+
+for command in (job_commands.submit_command, job_commands.run_command, job_commands.retry_command,
+                ops_commands.recover_command, query_commands.status_command, query_commands.list_command,
+                query_commands.results_command, job_commands.cancel_command, ops_commands.worker_command,
+                ops_commands.db_group, ops_commands.bench_command):
+    main.add_command(command)

@@ -1,0 +1,4 @@
+"""`python -m pipeline.cli`."""
+from pipeline.cli import main
+
+main()

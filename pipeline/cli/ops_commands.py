@@ -1,0 +1,76 @@
+"""Commands that run the machinery: worker, recover, db upgrade, bench."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from pipeline.cli.errors import EXIT_USAGE, Fail
+from pipeline.cli.job_commands import check_broker
+from pipeline.cli.options import engine_options, settings_options
+
+
+@click.command("worker")
+@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Worker processes; 1 runs shards in this process (solo pool).")
+@click.option("--loglevel", default="info", show_default=True)
+@settings_options("broker_url")
+def worker_command(concurrency, loglevel, settings):
+    """Start a Celery worker that runs shards (the engine is built on its first shard)."""
+    from workers.app import app, configure
+
+    configure(settings)  # prefork children inherit it
+    pool = "solo" if concurrency == 1 else "prefork"
+    # Workers share nothing but the ledger: no need for gossip, mingle or event heartbeats.
+    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}", f"--pool={pool}",
+                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
+
+
+@click.command("recover")
+@settings_options("max_attempts", "queued_grace_s", "broker_url")
+def recover_command(settings):
+    """One recovery pass (workers run it every PIPELINE_RECOVERY_INTERVAL s; use this from cron).
+
+    Re-enqueues shards of dead workers and shards the broker lost, writes error rows for
+    shards out of attempts, and finalizes jobs left unfinished. Prints what it did as JSON.
+    """
+    from jobs import ledger
+    from workers.recovery import recover_with_broker
+
+    check_broker(settings)
+    report = recover_with_broker(settings, ledger.open_sessions(settings.database_url))
+    click.echo(json.dumps(report))
+    if report["errors"]:
+        raise Fail(f"{len(report['errors'])} recovery step(s) failed (see above)")
+
+
+@click.group("db")
+def db_group():
+    """The job ledger's schema."""
+
+
+@db_group.command("upgrade")
+@settings_options()
+def db_upgrade_command(settings):
+    """Migrate the ledger to the latest schema."""
+    from jobs import ledger
+
+    ledger.upgrade(settings.database_url)
+    click.echo("the ledger schema is up to date")
+
+
+@click.command("bench")
+@click.argument("requests", type=click.Path(exists=True, dir_okay=False))
+@engine_options
+def bench_command(requests, engine_options):
+    """Time a workload file through the engine; prints one JSON line."""
+    from pipeline.bench import run_bench
+    from pipeline.config import EngineConfig
+
+    try:
+        result = run_bench(requests, EngineConfig(**engine_options))
+    except ValueError as e:  # a bad workload line
+        raise Fail(str(e), EXIT_USAGE) from None
+    except RuntimeError as e:  # requests failed, or no GPU for --device cuda
+        raise Fail(str(e)) from None
+    click.echo(json.dumps(result))

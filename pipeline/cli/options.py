@@ -1,0 +1,104 @@
+"""Option bundles shared by the commands: the deployment's settings, and the engine's options.
+
+Settings options take their variable and default from jobs.settings.Settings and fill
+click's context object; the command gets the finished Settings as `settings`. Engine
+options are made from the fields of EngineConfig, so a new field is a new option.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import click
+
+from jobs.settings import Settings, default, env_var
+from pipeline.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
+
+_SETTING_OPTIONS = {
+    "data_dir": dict(decls=("--data-dir",), type=click.Path(file_okay=False), show_default=True,
+                     help="Where job inputs and results live."),
+    "database_url": dict(decls=("--database-url",), metavar="URL",
+                         help="SQLAlchemy URL of the job ledger  [default: SQLite in the data dir]"),
+    "broker_url": dict(decls=("--broker-url",), show_default=True),
+    "max_attempts": dict(decls=("--max-attempts",), type=click.IntRange(min=1), show_default=True,
+                         help="Attempts a shard gets (as the workers': PIPELINE_MAX_ATTEMPTS)."),
+    "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
+                           help="Re-enqueue shards queued for longer than this (seconds)."),
+}
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value):
+    if value is not None:
+        ctx.ensure_object(dict)[param.name] = value
+
+
+def settings_options(*names: str):
+    """--data-dir, --database-url and the named settings' options; the command gets `settings`."""
+    def decorator(f):
+        @click.pass_context
+        @functools.wraps(f)
+        def wrapper(ctx: click.Context, *args, **kwargs):
+            ctx.obj = Settings.from_env(**ctx.ensure_object(dict))
+            return f(*args, settings=ctx.obj, **kwargs)
+
+        for name in reversed(("data_dir", "database_url", *names)):
+            spec = dict(_SETTING_OPTIONS[name])
+            wrapper = click.option(*spec.pop("decls"), name, envvar=env_var(name), default=default(name),
+                                   expose_value=False, callback=_remember, **spec)(wrapper)
+        return wrapper
+    return decorator
+
+
+# Per-field additions to the option made from an EngineConfig field; "flag" renames a
+# bool's on/off pair (e.g. "--prefix-caching/--no-prefix-caching").
+_ENGINE_OPTIONS = {
+    "model": dict(metavar="DIR", help="Hugging Face model directory  [default: bundled SmolLM2-135M-Instruct]"),
+    "dtype": dict(type=click.Choice(DTYPES)),
+    "device": dict(type=click.Choice(DEVICES)),
+    "quantization": dict(type=click.Choice(QUANTIZATIONS)),
+    "kv_cache_gib": dict(help="Memory budget of the KV cache."),
+    "block_size": dict(help="Tokens in one KV-cache block."),
+    "max_num_seqs": dict(help="Most sequences in one batch."),
+    "max_num_batched_tokens": dict(help="Most tokens in one engine step."),
+    "max_model_len": dict(help="Longest sequence  [default: the model's context length]"),
+    "num_kv_blocks": dict(help="KV-cache blocks, instead of the --kv-cache-gib budget."),
+    "pack_weights": dict(help="CPU float32: keep weights in MKL's packed layout (faster decode steps, "
+                              "about 3x the float32 weight memory)  [default: on]"),
+}
+_SCALARS = {"str": str, "int": int, "float": float}
+
+
+def _engine_option(field):
+    extra = dict(_ENGINE_OPTIONS.get(field.name, {}))
+    dashed = field.name.replace("_", "-")
+    base = field.type.split("|")[0].strip()  # "int | None" -> "int" (annotations are strings here)
+    if base == "bool":
+        flag = extra.pop("flag", f"--{dashed}/--no-{dashed}")
+        return click.option(flag, field.name, default=None, **extra)
+    extra.setdefault("type", _SCALARS[base])
+    return click.option(f"--{dashed}", field.name, **extra)
+
+
+def engine_options(f):
+    """An option per EngineConfig field, passed as `engine_options`: a dict of the fields given.
+
+    Nothing given means the EngineConfig default, so a job records only what was asked for.
+    """
+    names = [field.name for field in fields(EngineConfig)]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        opts = {name: value for name in names if (value := kwargs.pop(name)) is not None}
+        if "model" in opts and Path(opts["model"]).exists():
+            opts["model"] = str(Path(opts["model"]).resolve())  # workers may run elsewhere
+        try:
+            EngineConfig(**opts)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        return f(*args, engine_options=opts, **kwargs)
+
+    for field in reversed(fields(EngineConfig)):
+        assert field.default is not MISSING, f"EngineConfig.{field.name} needs a default to be an option"
+        wrapper = _engine_option(field)(wrapper)
+    return wrapper

@@ -1,0 +1,91 @@
+"""Commands that read jobs: status, list, results."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline.cli import render
+from pipeline.cli.job_commands import check_job_id, get_job, sessions
+from pipeline.cli.options import settings_options
+
+
+@click.command("status")
+@click.argument("job_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the OpenAI Batch object (a list without JOB).")
+@settings_options()
+def status_command(job_id, as_json, settings):
+    """Show one job in detail, or all recent jobs."""
+    from jobs import ledger
+
+    if job_id:
+        check_job_id(job_id)
+    Session = sessions(settings)
+    with Session() as s:
+        jobs = [get_job(s, job_id)] if job_id else ledger.list_jobs(s)
+        counts = {job.id: ledger.job_counts(s, job.id) for job in jobs}
+    if as_json:
+        objects = [render.batch(job, counts[job.id]) for job in jobs]
+        click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
+    elif job_id:
+        render.print_job(jobs[0], counts[job_id])
+    else:
+        render.print_jobs(jobs)
+
+
+@click.command("list")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@settings_options()
+def list_command(limit, settings):
+    """List the newest jobs."""
+    from jobs import ledger
+
+    with sessions(settings)() as s:
+        render.print_jobs(ledger.list_jobs(s, limit))
+
+
+@click.command("results")
+@click.argument("job_id")
+@click.option("--export", type=click.Path(dir_okay=False), help="Write the results to this JSONL file.")
+@click.option("--format", "fmt", type=click.Choice(["pipeline", "openai"]), default="pipeline", show_default=True,
+              help="pipeline: our result rows; openai: Batch API output and error files.")
+@click.option("--output-file", type=click.Path(dir_okay=False), help="openai format: the output file (or --export).")
+@click.option("--error-file", type=click.Path(dir_okay=False),
+              help="openai format: the error file  [default: OUTPUT with .errors.jsonl]")
+@settings_options()
+def results_command(job_id, export, fmt, output_file, error_file, settings):
+    """Say where a job's Parquet results are, or export them as JSONL."""
+    from jobs.paths import JobPaths
+
+    check_job_id(job_id)
+    with sessions(settings)() as s:
+        job = get_job(s, job_id)
+    results_dir = JobPaths(settings.data_dir, job_id).results_dir
+    if note := render.not_ended_note(job):
+        click.echo(note, err=True)
+    output_file = output_file or export
+    if output_file is None:
+        if fmt == "openai" or error_file:
+            raise click.UsageError("give --export or --output-file")
+        render.print_where(job_id, results_dir)
+    elif fmt == "pipeline":
+        from jobs.results import export_jsonl
+        click.echo(f"{export_jsonl(results_dir, output_file)} rows written to {output_file}")
+    else:
+        _export_openai(job, results_dir, output_file, error_file or _errors_name(output_file))
+
+
+def _errors_name(output_file: str) -> str:
+    path = Path(output_file)
+    return str(path.with_name(path.stem + ".errors.jsonl"))
+
+
+def _export_openai(job, results_dir: Path, output_file: str, error_file: str) -> None:
+    from jobs.openai_format import PIPELINE_ENDPOINT, write_openai_files
+    from jobs.results import iter_result_rows
+
+    created = int((job.finished_at or job.created_at).timestamp())
+    ok, failed = write_openai_files(iter_result_rows(results_dir), output_file, error_file,
+                                    endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created)
+    click.echo(f"{ok} responses written to {output_file}, {failed} errors to {error_file}")

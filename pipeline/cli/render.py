@@ -1,0 +1,128 @@
+"""What the commands print: job tables, a job's details, progress bars, summaries, the Batch object."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+from jobs.states import JobStatus
+from pipeline.request import FinishReason
+
+
+@functools.cache
+def _console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+class Progress:
+    """A rich progress bar on stderr; entering gives advance(finish_reason)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=_console())
+        self.task = self.bar.add_task("requests", total=total, failed=0)
+        self.failed = 0
+
+    def __enter__(self):
+        self.bar.start()
+        return self.advance
+
+    def advance(self, finish_reason: str, n: int = 1) -> None:
+        self.failed += n if finish_reason == FinishReason.ERROR else 0
+        self.bar.update(self.task, advance=n, failed=self.failed)
+
+    def set(self, done: int, failed: int) -> None:
+        self.failed = failed
+        self.bar.update(self.task, completed=done, failed=failed)
+
+    def __exit__(self, *exc):
+        self.bar.stop()
+
+
+def batch(job, counts: dict) -> dict:
+    """The OpenAI Batch object of a ledger job, our extra figures under "pipeline"."""
+    from jobs.ledger import STATS_COLUMNS, job_as_dict
+    from jobs.openai_format import batch_object
+
+    d = job_as_dict(job)
+    obj = batch_object({**d, "total": job.total_requests, "completed": job.completed_requests,
+                        "failed": job.failed_requests})
+    extra = {k: d[k] for k in STATS_COLUMNS if k not in ("completed_requests", "failed_requests")}
+    obj["pipeline"] = {**extra, "engine_options": job.engine_options, "input_format": job.input_format,
+                       "num_shards": job.num_shards, "shards": counts["shards"], "status": job.status}
+    return obj
+
+
+def print_summary(job) -> None:
+    cancelled = job.total_requests - job.completed_requests - job.failed_requests
+    click.echo(f"job {job.id}: {job.status}")
+    click.echo(f"  requests: {job.completed_requests} completed, {job.failed_requests} failed"
+               + (f", {cancelled} not run" if cancelled else "") + f" of {job.total_requests}")
+    if job.output_tok_s is not None:
+        click.echo(f"  throughput: {job.output_tok_s:.1f} output tok/s, {job.total_tok_s:.1f} total tok/s "
+                   f"over {job.wall_seconds:.1f} s")
+    click.echo(f"  results: {job.results_path}  (see: pipeline results {job.id})")
+    if job.failed_requests:
+        click.echo(f"  see the errors: pipeline results {job.id} --export errors.jsonl")
+
+
+def print_jobs(jobs) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not jobs:
+        click.echo("no jobs yet: create one with `pipeline run FILE` or `pipeline submit FILE`")
+        return
+    table = Table("status", "ok/err/total", "created (UTC)", "tok/s", "model")
+    table.columns[-1].overflow = "ellipsis"
+    table.add_column("job", min_width=20, no_wrap=True)  # ids must stay whole to be copied
+    for job in jobs:
+        table.add_row(job.status, f"{job.completed_requests}/{job.failed_requests}/{job.total_requests}",
+                      f"{job.created_at:%Y-%m-%d %H:%M}", _num(job.output_tok_s), Path(job.model).name, job.id)
+    Console().print(table)
+
+
+def print_job(job, counts: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("field", "value", title=f"job {job.id}")
+    rows = [("status", job.status), ("model", job.model), ("input", job.input_path), ("results", job.results_path),
+            ("requests", f"{job.completed_requests} completed, {job.failed_requests} failed, "
+                         f"{job.total_requests} total"),
+            ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
+            ("tokens", f"{job.prompt_tokens} prompt, {job.output_tokens} output"),
+            ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),
+            ("wall s", _num(job.wall_seconds)), ("output tok/s", _num(job.output_tok_s)),
+            ("latency p50/p95/p99 s", "/".join(_num(v) for v in (job.latency_p50, job.latency_p95, job.latency_p99))),
+            ("ttft p50/p95 s", "/".join(_num(v) for v in (job.ttft_p50, job.ttft_p95)))]
+    if job.error:
+        rows.append(("error", job.error))
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def print_where(job_id: str, results_dir: Path) -> None:
+    from jobs.paths import RESULT_SHARD_GLOB
+
+    click.echo(f"Results of {job_id}: a Parquet dataset (one file per shard) in\n  {results_dir}\n")
+    click.echo("Query it with DuckDB:")
+    click.echo(f"  duckdb -c \"SELECT id, output FROM read_parquet('{results_dir}/{RESULT_SHARD_GLOB}')\"")
+    click.echo("or pandas:")
+    click.echo(f"  pandas.read_parquet('{results_dir}')")
+    click.echo(f"or export it: pipeline results {job_id} --export results.jsonl [--format openai]")
+
+
+def not_ended_note(job) -> str | None:
+    """A warning for results read before the job ended."""
+    if job.status in JobStatus.terminal():
+        return None
+    return f"job {job.id} is {job.status}: only the shards committed so far are included"
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
