@@ -53,7 +53,8 @@ def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
 
 def _body(row: dict, digest: str, *, endpoint: str, model: str, created: int) -> dict:
     usage = {"prompt_tokens": int(row["prompt_tokens"]), "completion_tokens": int(row["output_tokens"]),
-             "total_tokens": int(row["prompt_tokens"]) + int(row["output_tokens"])}
+             "total_tokens": int(row["prompt_tokens"]) + int(row["output_tokens"]),
+             "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}
     text = row["output"] or ""
     choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
     if endpoint == CHAT:
@@ -130,7 +131,7 @@ def batch_object(job: dict, *, now: float | None = None) -> dict:
                            "failed": job.get("failed") or 0},
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
                   "total_tokens": input_tokens + output_tokens,
-                  "input_tokens_details": {"cached_tokens": 0},
+                  "input_tokens_details": {"cached_tokens": job.get("cached_tokens") or 0},
                   "output_tokens_details": {"reasoning_tokens": 0}},
         "errors": _errors(job.get("error")),
         "metadata": job.get("metadata"),

@@ -21,6 +21,7 @@ RESULT_SCHEMA = pa.schema([
     ("output", pa.string()),
     ("prompt_tokens", pa.int32()),
     ("output_tokens", pa.int32()),
+    ("cached_tokens", pa.int32()),   # prompt tokens served from the prefix cache (null: older results)
     ("finish_reason", pa.string()),  # a pipeline.request.FinishReason value
     ("error", pa.string()),
     ("queue_s", pa.float64()),

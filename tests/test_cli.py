@@ -59,6 +59,34 @@ def test_run_completes_with_one_row_per_request(finished_job, data_root, Session
     assert jp.stats_file.exists() and not list(jp.tmp_dir.glob("*"))
 
 
+def test_chat_job_with_a_long_system_prompt_computes_it_once(runner, data_root, tiny_model_dir, tmp_path, Session):
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    src = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": f"q{i}", "messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": f"What is {i} + {i}?"}],
+         "max_tokens": 6, "temperature": 0} for i in range(6)])
+    for flag in ("--prefix-caching", "--no-prefix-caching"):
+        result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "3",
+                                      flag, *FAST])
+        assert result.exit_code == 0, result.output
+    with Session() as s:
+        plain, cached = list_jobs(s)                      # newest first
+    assert cached.engine_options.get("enable_prefix_caching") is True
+    assert plain.engine_options["enable_prefix_caching"] is False
+    rows = {job.id: {r["id"]: r for r in read_results(JobPaths(data_root, job.id).results_dir).to_pylist()}
+            for job in (cached, plain)}
+    assert {k: r["output"] for k, r in rows[cached.id].items()} == {k: r["output"] for k, r in rows[plain.id].items()}
+    hits = [rows[cached.id][f"q{i}"]["cached_tokens"] for i in range(6)]
+    # The first request computes the system prompt; every later one (the second shard too:
+    # one engine serves the whole run) finds its full blocks in the cache.
+    assert hits[0] == 0 and hits[1] >= 64 and hits[1] % 16 == 0 and set(hits[1:]) == {hits[1]}
+    assert all(r["cached_tokens"] == 0 for r in rows[plain.id].values())
+    prompt_tokens = sum(r["prompt_tokens"] for r in rows[cached.id].values())
+    assert (cached.cached_tokens, plain.cached_tokens) == (sum(hits), 0)
+    assert cached.prefix_hit_rate == pytest.approx(sum(hits) / prompt_tokens)
+    assert plain.prefix_hit_rate == 0
+
+
 def test_bad_file_reports_every_line_and_creates_nothing(runner, data_root, tmp_path, Session):
     src = write_jsonl(tmp_path / "bad.jsonl", [
         {"id": "a", "prompt": "ok"},

@@ -122,7 +122,7 @@ def test_expired_lease_fences_the_stale_attempt(ledger, data_root):
 
         write_shard_tmp(rows(0, 2, 3), jp.tmp_result(0, 2))
         assert commit_shard(s, job_id, 0, 2, completed=3, failed=0, prompt_tokens=15,
-                            output_tokens=21, tmp_path=jp.tmp_result(0, 2),
+                            output_tokens=21, cached_tokens=8, tmp_path=jp.tmp_result(0, 2),
                             final_path=jp.result_shard(0))
         assert not jp.tmp_result(0, 2).exists()
         assert set(read_results(jp.results_dir)["attempt"].to_pylist()) == {2}
@@ -132,10 +132,11 @@ def test_expired_lease_fences_the_stale_attempt(ledger, data_root):
         assert not renew_lease(s, job_id, 0, 2, LEASE)
         assert claim_shard(s, job_id, 0, "late", LEASE, max_attempts=3) is None
         job = get_job(s, job_id)
-        assert (job.completed_requests, job.prompt_tokens, job.output_tokens) == (3, 15, 21)
+        assert (job.completed_requests, job.prompt_tokens, job.output_tokens, job.cached_tokens) == (3, 15, 21, 8)
         assert job_counts(s, job_id) == {
             "total_requests": 5, "completed_requests": 3, "failed_requests": 0,
-            "prompt_tokens": 15, "output_tokens": 21, "shards": {"completed": 1, "queued": 1}}
+            "prompt_tokens": 15, "output_tokens": 21, "cached_tokens": 8,
+            "shards": {"completed": 1, "queued": 1}}
 
 
 def test_concurrent_claims_have_exactly_one_winner(ledger):

@@ -15,15 +15,17 @@ COMPLETIONS = "/v1/completions"
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 
 
-def row(id="r1", output="Hello there", finish_reason="stop", error=None, prompt_tokens=5, output_tokens=3):
+def row(id="r1", output="Hello there", finish_reason="stop", error=None, prompt_tokens=5, output_tokens=3,
+        cached_tokens=0):
     return {"id": id, "output": output, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "cached_tokens": cached_tokens,
             "finish_reason": finish_reason, "error": error, "queue_s": 0.1, "ttft_s": 0.2,
             "latency_s": 0.5, "shard": 0, "attempt": 1}
 
 
 @pytest.mark.parametrize("finish", ["stop", "length"])
 def test_chat_output_line_validates(finish):
-    line = output_line(row(finish_reason=finish), endpoint=CHAT, model="smol", created=1700000000)
+    line = output_line(row(finish_reason=finish, cached_tokens=4), endpoint=CHAT, model="smol", created=1700000000)
     assert line["custom_id"] == "r1" and line["error"] is None and line["id"].startswith("batch_req_")
     assert line["response"]["status_code"] == 200 and line["response"]["request_id"]
     body = ChatCompletion.model_validate(line["response"]["body"])
@@ -33,6 +35,7 @@ def test_chat_output_line_validates(finish):
     assert (choice.index, choice.finish_reason, choice.logprobs) == (0, finish, None)
     assert (choice.message.role, choice.message.content) == ("assistant", "Hello there")
     assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.usage.total_tokens) == (5, 3, 8)
+    assert body.usage.prompt_tokens_details.cached_tokens == 4
     assert set(line["response"]["body"]) <= set(ChatCompletion.model_fields)
     assert set(line["response"]["body"]["choices"][0]) <= set(type(choice).model_fields)
     assert not is_error_line(line)
@@ -47,6 +50,7 @@ def test_completion_output_line_validates():
     assert (choice.text, choice.finish_reason, choice.index) == ("", "length", 0)
     assert set(line["response"]["body"]) <= set(Completion.model_fields)
     assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.usage.total_tokens) == (5, 3, 8)
+    assert body.usage.prompt_tokens_details.cached_tokens == 0
 
 
 @pytest.mark.parametrize("finish,code", [("error", "request_failed"), ("cancelled", "batch_cancelled")])
@@ -112,7 +116,7 @@ CASES = {
                        prompt_tokens=100, output_tokens=40),
     "finalizing": job("finalizing", started_at=T0, finalizing_at=T0 + timedelta(minutes=9)),
     "completed": job("completed", started_at=T0, finished_at=T0 + timedelta(minutes=10), completed=9,
-                     failed=1, prompt_tokens=1000, output_tokens=300, metadata={"team": "a"}),
+                     failed=1, prompt_tokens=1000, output_tokens=300, cached_tokens=640, metadata={"team": "a"}),
     "failed": job("failed", finished_at=T0 + timedelta(seconds=2),
                   error="2 error(s) in the input file:\nline 3: invalid JSON\nline 9: duplicate id 'a'"),
     "cancelling": job("cancelling", started_at=T0, cancelling_at=T0 + timedelta(minutes=1)),
@@ -149,6 +153,7 @@ def test_batch_object_fields():
     assert done.completed_at == int((T0 + timedelta(minutes=10)).timestamp())
     assert (done.request_counts.completed, done.request_counts.failed) == (9, 1)
     assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (1000, 300, 1300)
+    assert done.usage.input_tokens_details.cached_tokens == 640
     assert done.metadata == {"team": "a"} and done.endpoint == CHAT and done.completion_window == "24h"
     assert done.output_file_id == "/data/jobs/job_0123456789abcdef/results"
 

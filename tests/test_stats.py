@@ -25,7 +25,7 @@ def publish(jp, shard, rows):
 
 def ok_row(i):
     # Latencies 1..100 s and ttft 0.01..1.00 s, split over two shards below.
-    return {"id": f"r{i}", "output": "x", "prompt_tokens": 10, "output_tokens": 20,
+    return {"id": f"r{i}", "output": "x", "prompt_tokens": 10, "output_tokens": 20, "cached_tokens": 4,
             "finish_reason": "length" if i % 10 == 0 else "stop", "latency_s": float(i),
             "ttft_s": i / 100, "shard": i % 2, "attempt": 1}
 
@@ -43,6 +43,8 @@ def test_compute_stats_on_known_numbers(jp):
     assert stats == pytest.approx({
         "total_requests": 102, "completed_requests": 100, "failed_requests": 1,
         "prompt_tokens": 1020, "output_tokens": 2005, "wall_seconds": 10.0,
+        # Only the 100 successful rows say they hit the prefix cache (4 tokens each).
+        "cached_tokens": 400, "prefix_hit_rate": 400 / 1020,
         "output_tok_s": 200.5, "total_tok_s": 302.5,
         # numpy's linear interpolation over 1..100: error and cancelled rows are excluded.
         "latency_p50": 50.5, "latency_p95": 95.05, "latency_p99": 99.01,
@@ -54,6 +56,7 @@ def test_compute_stats_without_results(jp):
     stats = compute_stats(jp.results_dir, wall_seconds=0.0)
     assert stats["total_requests"] == stats["completed_requests"] == stats["output_tokens"] == 0
     assert stats["output_tok_s"] is None and stats["total_tok_s"] is None
+    assert stats["cached_tokens"] == 0 and stats["prefix_hit_rate"] is None
     assert stats["latency_p50"] is None and stats["ttft_p95"] is None
 
 
@@ -72,3 +75,16 @@ def test_write_stats_is_one_row(jp):
     assert table.schema == STATS_SCHEMA and table.num_rows == 1
     assert table.to_pylist()[0] == {"job_id": JOB, **stats}
     assert [p.name for p in jp.dir.iterdir() if p.is_file()] == ["stats.parquet"]
+
+
+def test_results_written_before_cached_tokens_existed_count_as_uncached(jp):
+    """A result file without the cached_tokens column (an older version's) still reads."""
+    import pyarrow as pa
+    old = pa.Table.from_pylist([{"id": "old", "output": "x", "prompt_tokens": 7, "output_tokens": 3,
+                                 "finish_reason": "stop", "latency_s": 1.0, "shard": 0, "attempt": 1}])
+    jp.results_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(old, jp.result_shard(0))
+    publish(jp, 1, [ok_row(1)])
+    stats = compute_stats(jp.results_dir, wall_seconds=1.0)
+    assert (stats["prompt_tokens"], stats["cached_tokens"]) == (17, 4)
+    assert stats["prefix_hit_rate"] == pytest.approx(4 / 17)

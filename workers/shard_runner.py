@@ -165,19 +165,20 @@ def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=
             failed=sum(r["finish_reason"] == FinishReason.ERROR for r in rows),
             prompt_tokens=sum(r["prompt_tokens"] for r in rows),
             output_tokens=sum(r["output_tokens"] for r in rows),
+            cached_tokens=sum(r["cached_tokens"] for r in rows),
             tmp_path=tmp, final_path=paths.result_shard(index), status=status)
 
 
 def _row(out: RequestOutput, index: int, attempt: int) -> dict:
     return {"id": out.id, "output": out.text, "prompt_tokens": out.prompt_tokens,
-            "output_tokens": out.output_tokens, "finish_reason": out.finish_reason, "error": out.error,
+            "output_tokens": out.output_tokens, "cached_tokens": out.cached_tokens, "finish_reason": out.finish_reason, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": index, "attempt": attempt}
 
 
 def _cancelled_row(request_id: str, waited: float, index: int, attempt: int) -> dict:
     # It waited from the shard's start until the cancel, and got nothing.
-    return {"id": request_id, "output": "", "prompt_tokens": 0, "output_tokens": 0,
+    return {"id": request_id, "output": "", "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
             "finish_reason": FinishReason.CANCELLED, "error": None, "queue_s": waited, "ttft_s": None,
             "latency_s": waited, "shard": index, "attempt": attempt}
 

@@ -61,11 +61,12 @@ def job_counts(s: Session, job_id: str) -> dict:
     rows = s.execute(
         select(Shard.status, func.count(), func.sum(Shard.num_requests),
                func.sum(Shard.completed_requests), func.sum(Shard.failed_requests),
-               func.sum(Shard.prompt_tokens), func.sum(Shard.output_tokens))
+               func.sum(Shard.prompt_tokens), func.sum(Shard.output_tokens), func.sum(Shard.cached_tokens))
         .where(Shard.job_id == job_id).group_by(Shard.status)
     ).all()
     s.commit()
-    keys = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens")
+    keys = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens",
+            "cached_tokens")
     counts: dict[str, Any] = dict.fromkeys(keys, 0)
     counts["shards"] = {}
     for status, n_shards, *sums in rows:

@@ -14,8 +14,8 @@ INPUT_FORMATS = ("pipeline", "openai")
 # Ledger columns filled from jobs.stats.compute_stats by finish_job. total_requests is
 # left out on purpose: it stays the number of input requests.
 STATS_COLUMNS = (
-    "completed_requests", "failed_requests", "prompt_tokens", "output_tokens",
-    "wall_seconds", "output_tok_s", "total_tok_s",
+    "completed_requests", "failed_requests", "prompt_tokens", "output_tokens", "cached_tokens",
+    "prefix_hit_rate", "wall_seconds", "output_tok_s", "total_tok_s",
     "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
 )
 
@@ -79,6 +79,8 @@ class Job(Base):
     failed_requests: Mapped[int] = mapped_column(Integer, default=0)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)        # prompt tokens served from the prefix cache
+    prefix_hit_rate: Mapped[float | None] = mapped_column(Float)         # cached_tokens / prompt_tokens
     wall_seconds: Mapped[float | None] = mapped_column(Float)
     output_tok_s: Mapped[float | None] = mapped_column(Float)
     total_tok_s: Mapped[float | None] = mapped_column(Float)
@@ -104,6 +106,7 @@ class Shard(Base):
     failed_requests: Mapped[int] = mapped_column(Integer, default=0)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -64,7 +64,7 @@ def release_shard(s: Session, job_id: str, index: int, attempt: int) -> bool:
 
 def commit_shard(
     s: Session, job_id: str, index: int, attempt: int, *, completed: int, failed: int,
-    prompt_tokens: int, output_tokens: int, tmp_path: str | os.PathLike,
+    prompt_tokens: int, output_tokens: int, cached_tokens: int = 0, tmp_path: str | os.PathLike,
     final_path: str | os.PathLike, status: str = ShardStatus.COMPLETED,
 ) -> bool:
     """Publish an attempt's results: fenced ledger update and file rename in one transaction.
@@ -77,7 +77,7 @@ def commit_shard(
     if status not in ShardStatus.terminal():
         raise ValueError(f"cannot commit a shard as {status!r}")
     counts = dict(completed_requests=completed, failed_requests=failed,
-                  prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+                  prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached_tokens)
     won = execute(s, update(Shard)
                    .where(held(job_id, index, attempt))
                    .values(status=status, finished_at=utcnow(), lease_expires_at=None, **counts)

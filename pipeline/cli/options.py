@@ -63,6 +63,9 @@ _ENGINE_OPTIONS = {
     "max_num_batched_tokens": dict(help="Most tokens in one engine step."),
     "max_model_len": dict(help="Longest sequence  [default: the model's context length]"),
     "num_kv_blocks": dict(help="KV-cache blocks, instead of the --kv-cache-gib budget."),
+    "enable_prefix_caching": dict(flag="--prefix-caching/--no-prefix-caching",
+                                  help="Compute a prompt prefix (system prompt, few-shot examples) once and "
+                                       "reuse its KV cache across requests, shards and jobs  [default: on]"),
     "pack_weights": dict(help="CPU float32: keep weights in MKL's packed layout (faster decode steps, "
                               "about 3x the float32 weight memory)  [default: on]"),
 }
