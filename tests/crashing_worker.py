@@ -7,13 +7,14 @@ killer) and keeps the product code free of test hooks. The engine itself is the 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from workers import tasks
 from workers.app import app  # noqa: F401  (what `celery -A` looks for)
 
 CRASH_PREFIX = "crash-"
-_real_get = tasks._engines.get
+_real_use = tasks._engines.use
 
 
 class _CrashingEngine:
@@ -31,4 +32,10 @@ class _CrashingEngine:
             os._exit(1)
 
 
-tasks._engines.get = lambda options: _CrashingEngine(_real_get(options))
+@contextlib.contextmanager
+def _crashing_use(options):
+    with _real_use(options) as engine:
+        yield _CrashingEngine(engine)
+
+
+tasks._engines.use = _crashing_use

@@ -170,18 +170,22 @@ class Cluster:
     def wait_until_ended(self, job_id: str, timeout: float = WAIT_S):
         return self.wait_for(f"job {job_id} to end", lambda: (job := self.job(job_id)).finished_at and job, timeout)
 
-    def running_mid_generation(self, job_id: str):
+    def running_mid_generation(self, job_id: str, together: int = 1):
         """A shard that is running whose lease was renewed at
         least once after the claim, on a worker that already committed a shard (so its
-        engine is loaded and the shard is really generating)."""
+        engine is loaded and the shard is really generating). With together=2: a list of
+        two such shards held by the same worker process (its shards in flight), or None."""
         shards = self.shards(job_id)
         warm = {sh.worker for sh in shards if sh.status == "completed"}
+        by_pid: dict[str, list] = {}
         for sh in shards:
             if (sh.status == "running" and sh.heartbeat_at and sh.started_at
                     and (sh.heartbeat_at - sh.started_at).total_seconds() >= 0.9
                     and any(w and w.rsplit(":", 1)[1] == sh.worker.rsplit(":", 1)[1] for w in warm)):
-                return sh
-        return None
+                if together == 1:
+                    return sh
+                by_pid.setdefault(sh.worker.rsplit(":", 1)[1], []).append(sh)
+        return next((group[:together] for group in by_pid.values() if len(group) >= together), None)
 
     # the invariant
     def assert_exactly_once(self, job_id: str, expected_ids: list[str]):
@@ -234,22 +238,26 @@ def postgres_url(pg_url):
 # --- a worker killed mid-shard ---------------------------------------------------------------
 
 def test_sigkill_mid_shard_second_worker_finishes_exactly_once(db_url, cluster_factory):
+    """The killed worker holds two shards in flight (PIPELINE_SHARDS_IN_FLIGHT, 2 by
+    default): both are redone by the survivor, every id exactly once."""
     c = cluster_factory(db_url)
-    rows = warm_then_long("k", 6, 6)
+    rows = warm_then_long("k", 6, 12)
     workers = [c.start_worker(), c.start_worker()]
     job_id = c.submit(rows, shard_size=3)
-    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
-    a = c.wait_for("the victim's worker process", lambda: _owner(victim, workers), timeout=5)
+    victims = c.wait_for("two shards generating in one worker",
+                         lambda: c.running_mid_generation(job_id, together=2))
+    a = c.wait_for("the victims' worker process", lambda: _owner(victims[0], workers), timeout=5)
     b = next(p for p in workers if p is not a)
-    a.kill()  # SIGKILL: no cleanup, the lease just stops being renewed
+    a.kill()  # SIGKILL: no cleanup, the leases just stop being renewed
     a.wait()
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(rows)
     c.assert_exactly_once(job_id, [r["id"] for r in rows])
-    redone = next(sh for sh in c.shards(job_id) if sh.index == victim.index)
-    # the killed attempt was reaped and the shard committed by a later attempt on the survivor
-    assert redone.status == "completed" and redone.attempt > victim.attempt
-    assert redone.worker.endswith(f":{b.pid}")
+    for victim in victims:
+        redone = next(sh for sh in c.shards(job_id) if sh.index == victim.index)
+        # the killed attempt was reaped and the shard committed by a later attempt on the survivor
+        assert redone.status == "completed" and redone.attempt > victim.attempt
+        assert redone.worker.endswith(f":{b.pid}")
     assert b.poll() is None
 
 
@@ -449,34 +457,74 @@ def test_cancel_mid_job_stops_the_worker_promptly(sqlite_url, cluster_factory):
     assert w.poll() is None  # the worker is still there for other jobs
 
 
+# --- several shards in flight in one worker -------------------------------------------------
+
+def test_shards_of_one_job_and_of_two_jobs_share_one_worker(sqlite_url, cluster_factory):
+    """One worker, two shards in flight: first both shards of job a, then a's long shard
+    beside job b's. Cancelling a stops only a's shard; b's runs to completion."""
+    from jobs.ledger import request_cancel
+
+    c = cluster_factory(sqlite_url)
+    c.start_worker()
+    a_rows = long_rows("a-short-", 4, 8) + long_rows("a-long-", 4, 500)
+    a = c.submit(a_rows, shard_size=4)
+    c.wait_for("a's short shard to complete", lambda: c.shards(a)[0].status == "completed")
+    b_rows = long_rows("b-", 4, 40)
+    b = c.submit(b_rows, shard_size=4)
+    c.wait_for("b's shard running beside a's long one",
+               lambda: c.shards(b)[0].status == "running" and c.shards(a)[1].status == "running")
+    with c.Session() as s:
+        assert request_cancel(s, a)
+    assert c.wait_until_ended(b).status == "completed"
+    c.assert_exactly_once(b, [r["id"] for r in b_rows])
+    job_a = c.wait_until_ended(a)
+    assert job_a.status == "cancelled"
+    a0, a1 = c.shards(a)
+    (b0,) = c.shards(b)
+    assert (a0.status, a1.status) == ("completed", "cancelled")
+    # In flight together, as the ledger recorded them: a0 and a1, then a1 and b0, in one process.
+    assert a1.started_at < a0.finished_at and b0.started_at < a1.finished_at
+    assert len({sh.worker.rsplit(":", 1)[1] for sh in (a0, a1, b0)}) == 1
+    table = read_results(JobPaths(c.root, a).results_dir)
+    assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in a_rows)   # each id once
+    reasons = Counter(table["finish_reason"].to_pylist())
+    assert reasons["cancelled"] >= 1 and job_a.completed_requests == reasons["stop"] + reasons["length"]
+
+
 # --- SIGTERM mid-shard --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pool", ["solo", "prefork"])
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_url, cluster_factory):
-    """solo: `pipeline worker`, the shard runs in the process that gets SIGTERM; prefork:
-    it runs in a pool child, which the parent tells with SIGUSR2."""
+    """threads: `pipeline worker`, two shards in flight in the process that gets SIGTERM,
+    both released; prefork: one shard runs in a pool child, which the parent tells with SIGUSR2."""
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("t", 6, 6)
-    start = (lambda: c.start_worker()) if pool == "solo" else (lambda: c.start_worker("workers.app", "prefork"))
+    rows = warm_then_long("t", 6, 12 if pool == "threads" else 6)
+    start = (lambda: c.start_worker()) if pool == "threads" else (lambda: c.start_worker("workers.app", "prefork"))
     a, b = start(), start()
     job_id = c.submit(rows, shard_size=3)
-    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
-    proc = c.wait_for("the victim's worker process", lambda: _owner(victim, [a, b]), timeout=5)
+    together = 2 if pool == "threads" else 1
+    victims = c.wait_for(f"{together} shard(s) generating in one worker",
+                         lambda: c.running_mid_generation(job_id, together=together))
+    victims = victims if together > 1 else [victims]
+    proc = c.wait_for("the victims' worker process", lambda: _owner(victims[0], [a, b]), timeout=5)
     proc.send_signal(signal.SIGTERM)
     start = time.monotonic()
     proc.wait(timeout=60)
     took = time.monotonic() - start
     assert took < 30  # a step, the release and Celery's own shutdown; not the rest of the shard
     # released at the next step: its shard is queued again (or already taken by the other worker)
-    shard = c.shards(job_id)[victim.index]
-    assert shard.releases == 1 and not (shard.status == "running" and shard.attempt == victim.attempt)
-    assert "'released'" in c.log(proc)
+    for victim in victims:
+        shard = c.shards(job_id)[victim.index]
+        assert shard.releases == 1 and not (shard.status == "running" and shard.attempt == victim.attempt)
+    assert c.log(proc).count("'released'") == len(victims)
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(rows)
     c.assert_exactly_once(job_id, [r["id"] for r in rows])
-    shard = c.shards(job_id)[victim.index]
-    # the release gave its attempt back: attempts used = attempt - releases
-    assert shard.status == "completed" and shard.releases == 1 and shard.attempt - shard.releases == victim.attempt
+    for victim in victims:
+        shard = c.shards(job_id)[victim.index]
+        # the release gave its attempt back: attempts used = attempt - releases
+        assert (shard.status == "completed" and shard.releases == 1
+                and shard.attempt - shard.releases == victim.attempt)
     assert proc.returncode == 0, c.log(proc)
     print(f"warm shutdown took {took:.1f} s")
 

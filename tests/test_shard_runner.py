@@ -44,7 +44,7 @@ def run_with_a_quick_request_first(Session, data_root, tmp_path, engines, option
     job_id = submit(Session, data_root, tmp_path,
                     [{"id": "quick", "prompt": "Hi", "max_tokens": 1}, *long_requests(n_long)], options)
     on_result = lambda row: then(Session, job_id) if row["id"] == "quick" else None  # noqa: E731
-    return job_id, run_shard(Session, data_root, job_id, 0, engine_provider=engines.get, worker_name="t",
+    return job_id, run_shard(Session, data_root, job_id, 0, engine_provider=engines.use, worker_name="t",
                              on_result=on_result, **kwargs)
 
 
@@ -96,7 +96,7 @@ def test_settings_the_engine_rejects_become_error_rows(ledger, data_root, engine
     with Session() as s:
         create_job(s, job_id=job_id, model="tiny", engine_options=options, input_format="pipeline", endpoint=None,
                    input_path="in.jsonl", results_path=str(jp.results_dir), shard_size=2, shard_sizes=[2])
-    assert run_shard(Session, data_root, job_id, 0, engine_provider=engines.get, worker_name="t") == "completed"
+    assert run_shard(Session, data_root, job_id, 0, engine_provider=engines.use, worker_name="t") == "completed"
     rows = {r["id"]: r for r in read_results(jp.results_dir).to_pylist()}
     assert rows["bad"]["finish_reason"] == "error" and "top_p" in rows["bad"]["error"]
     assert rows["good"]["finish_reason"] in ("stop", "length")
@@ -109,7 +109,7 @@ def test_a_crash_is_retried_then_fails_the_shard_on_the_last_attempt(ledger, dat
     _, Session = ledger
     rows = [{"id": f"r{i}", "prompt": "Hi", "max_tokens": 2} for i in range(3)]
     job_id = submit(Session, data_root, tmp_path, rows, {"model": str(tmp_path / "missing-model")})
-    run = dict(engine_provider=engines.get, worker_name="t", max_attempts=2)
+    run = dict(engine_provider=engines.use, worker_name="t", max_attempts=2)
     with pytest.raises(Exception):
         run_shard(Session, data_root, job_id, 0, **run)
     with Session() as s:  # the shard is still leased to the crashed attempt

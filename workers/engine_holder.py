@@ -1,40 +1,79 @@
-"""One engine per process, built on first use and kept for every shard that wants the same options."""
+"""One engine per process, built on first use and shared by every shard running in it.
+
+The engine is wrapped in an EngineLoop, so the shards in flight in this process (the
+worker's threads, or `pipeline run`'s) feed one continuous batch: while one shard's last
+requests drain, the next shard's already run beside them.
+"""
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
+from collections.abc import Iterator
 
 from pipeline.config import EngineConfig
 
 
 class EngineHolder:
-    """Hands out the process's engine for a job's engine options (EngineConfig fields).
+    """Hands out the process's engine loop for a job's engine options (EngineConfig fields).
 
     Building is lazy (never at import or fork: CUDA must not be initialised in a
-    prefork parent) and happens again only when a job asks for different options.
+    prefork parent) and happens again only when a shard asks for different options;
+    that shard waits until the shards using the current engine are done, and shards for
+    the current engine that arrive meanwhile wait behind it (no starvation).
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._config: EngineConfig | None = None
-        self._engine = None
+        self._loop = None
+        self._users = 0
+        self._switches_pending = 0   # shards waiting for other options than the current engine's
 
-    def get(self, options: dict):
-        """The engine for `options`, building or rebuilding it if needed."""
+    @contextlib.contextmanager
+    def use(self, options: dict) -> Iterator:
+        """The engine loop for `options` (building or rebuilding it if needed), held until exit."""
         config = EngineConfig(**options)
-        with self._lock:
-            if self._engine is None or config != self._config:
-                self._drop()
-                from pipeline.engine import Engine  # torch: only once an engine is really needed
-                self._engine, self._config = Engine(config), config
-            return self._engine
+        with self._changed:
+            registered = False   # as a shard waiting for another engine
+            try:
+                while True:
+                    current = self._loop is not None and config == self._config
+                    if current and (registered or not self._switches_pending):
+                        break
+                    if self._users == 0:   # nobody holds the engine: (re)build it if needed
+                        if not current:
+                            self._build(config)
+                        break
+                    if not current and not registered:
+                        self._switches_pending += 1
+                        registered = True
+                    self._changed.wait()
+            finally:
+                if registered:
+                    self._switches_pending -= 1
+            self._users += 1
+            loop = self._loop
+        try:
+            yield loop
+        finally:
+            with self._changed:
+                self._users -= 1
+                self._changed.notify_all()
+
+    def _build(self, config: EngineConfig) -> None:
+        self._drop()
+        from pipeline.engine import Engine  # torch: only once an engine is really needed
+        from pipeline.engine_loop import EngineLoop
+        self._loop, self._config = EngineLoop(Engine(config)), config
 
     def _drop(self) -> None:
         # Free the old model and KV cache before allocating the new ones.
-        if self._engine is None:
+        if self._loop is None:
             return
         device = self._config.device
-        self._engine = self._config = None
+        self._loop.close()
+        self._loop = self._config = None
         gc.collect()
         if device == "cuda":
             import torch

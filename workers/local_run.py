@@ -1,8 +1,9 @@
-"""Running a created job's shards in this process, one after the other, without a broker.
+"""Running a created job's shards in this process, without a broker.
 
 `pipeline run` and `pipeline retry --local` use it: `start_engine`, then `run_shards`,
 both inside `cancelled_on_interrupt`. The shards go through the same run_shard as on a
-worker, with one attempt each (a crash becomes the shard's error rows).
+worker, with one attempt each (a crash becomes the shard's error rows), and as on a
+worker several are in flight at once, sharing the engine's batches.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -39,7 +41,8 @@ def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_optio
     """Build the job's engine; a model that cannot load fails the job (EngineDidNotStart), not each shard."""
     engines = EngineHolder()
     try:
-        engines.get(engine_options)
+        with engines.use(engine_options):
+            pass   # built now; the holder keeps it for the shards
     except Exception as e:
         abandon_job(Session, root, job_id, f"the engine could not start: {e}")
         raise EngineDidNotStart(f"the engine could not start: {e}") from None
@@ -47,11 +50,25 @@ def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_optio
 
 
 def run_shards(Session: sessionmaker[Session], root, job_id: str, num_shards: int, engines: EngineHolder, *,
-               on_result: Callable[[dict], None] | None = None) -> ledger.Job:
-    """Run every shard of job_id here; returns the ended job."""
+               shards_in_flight: int = 2, on_result: Callable[[dict], None] | None = None) -> ledger.Job:
+    """Run every shard of job_id here, `shards_in_flight` at a time; returns the ended job.
+
+    Interrupted (Ctrl-C), it cancels the job in the ledger so that the running shards stop
+    at their next step and commit what finished, waits for them, and re-raises.
+    """
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    for index in range(num_shards):
-        run_shard(Session, root, job_id, index, engine_provider=engines.get, worker_name=worker,
-                  max_attempts=1, on_result=on_result)
+    pool = ThreadPoolExecutor(max_workers=shards_in_flight, thread_name_prefix="shard")
+    try:
+        futures = [pool.submit(run_shard, Session, root, job_id, index, engine_provider=engines.use,
+                               worker_name=worker, max_attempts=1, on_result=on_result)
+                   for index in range(num_shards)]
+        for future in futures:
+            future.result()
+    except BaseException:
+        with Session() as s:
+            ledger.request_cancel(s, job_id)
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
     with Session() as s:
         return ledger.get_job(s, job_id)

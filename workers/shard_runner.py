@@ -1,7 +1,10 @@
 """Running one shard of a job: lease it, generate, write its results, commit, maybe finalize.
 
 Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
-comes from `engine_provider(options)`, so importing this module imports no torch either.
+comes from `engine_provider(options)` (a context manager holding the process's engine
+for the shard: workers.engine_holder), so importing this module imports no torch either.
+Several shards may run at once in one process (threads): each is leased, generated and
+committed on its own, and their requests share the engine's batches.
 
 Graceful shutdown: `request_shutdown()` (the worker calls it on SIGTERM) makes every
 shard running in this process stop at its next engine step and hand its shard back with
@@ -14,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import fields
 from enum import Enum
 
@@ -55,7 +59,7 @@ def request_shutdown() -> None:
 
 def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
-    engine_provider: Callable[[dict], object], worker_name: str, lease_s: float = 60,
+    engine_provider: Callable[[dict], AbstractContextManager], worker_name: str, lease_s: float = 60,
     max_attempts: int = 3, on_result: Callable[[dict], None] | None = None,
 ) -> ShardOutcome:
     """Run shard `index` of `job_id`; returns its outcome.
@@ -86,8 +90,9 @@ def run_shard(
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
         try:
-            rows, cancelled, interrupted = _generate(Session, job_id, engine_provider(job.engine_options),
-                                                     specs, index, attempt, lease, on_result)
+            with engine_provider(job.engine_options) as engine:
+                rows, cancelled, interrupted = _generate(Session, job_id, engine, specs, index, attempt,
+                                                         lease, on_result)
             status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED
         except Exception as e:
             if attempt - shard.releases < max_attempts:

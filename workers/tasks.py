@@ -39,7 +39,7 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     cfg = settings()
     try:
         outcome = run_shard(_session_factory(cfg.database_url), cfg.data_dir, job_id, index,
-                            engine_provider=_engines.get, worker_name=f"{self.request.hostname}:{os.getpid()}",
+                            engine_provider=_engines.use, worker_name=f"{self.request.hostname}:{os.getpid()}",
                             lease_s=cfg.lease_s, max_attempts=cfg.max_attempts)
     except Exception as exc:
         raise self.retry(exc=exc, countdown=cfg.lease_s + 5, max_retries=cfg.max_attempts + 1)

@@ -33,7 +33,7 @@ def submit_command(file, engine_options, shard_size, wait, settings):
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
-@settings_options()
+@settings_options("shards_in_flight")
 def run_command(file, engine_options, shard_size, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default)."""
     Session = sessions(settings)
@@ -46,7 +46,7 @@ def run_command(file, engine_options, shard_size, settings):
 @click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
 @click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
 @click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
-@settings_options("broker_url")
+@settings_options("broker_url", "shards_in_flight")
 def retry_command(job_id, local, shard_size, wait, settings):
     """Run the failed requests (finish_reason error) of an ended job again, as a new job.
 
@@ -175,6 +175,7 @@ def _run_here(Session, settings: Settings, job_id: str, sizes: list[int], engine
             engines = local_run.start_engine(Session, root, job_id, engine_options)
             with render.Progress(sum(sizes)) as advance:
                 job = local_run.run_shards(Session, root, job_id, len(sizes), engines,
+                                           shards_in_flight=settings.shards_in_flight,
                                            on_result=lambda row: advance(row["finish_reason"]))
     except local_run.EngineDidNotStart as e:
         raise Fail(f"job {job_id} failed: {e}", EXIT_JOB_NOT_COMPLETED) from None

@@ -12,17 +12,30 @@ from pipeline.cli.options import engine_options, settings_options
 
 @click.command("worker")
 @click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Worker processes; 1 runs shards in this process (solo pool).")
+              help="Engine processes (prefork), each running one shard at a time; 1 (the default) "
+                   "runs one engine in this process with --shards-in-flight shards sharing it.")
 @click.option("--loglevel", default="info", show_default=True)
-@settings_options("broker_url")
+@settings_options("broker_url", "shards_in_flight")
 def worker_command(concurrency, loglevel, settings):
-    """Start a Celery worker that runs shards (the engine is built on its first shard)."""
+    """Start a Celery worker that runs shards (the engine is built on its first shard).
+
+    With one process, its shards in flight are Celery threads that feed one engine, so
+    the next shard's requests run beside the last requests of the one finishing.
+    """
     from workers.app import app, configure
 
     configure(settings)  # prefork children inherit it
-    pool = "solo" if concurrency == 1 else "prefork"
+    if concurrency > 1:
+        pool, slots = "prefork", concurrency
+        if settings.shards_in_flight > 1:
+            click.echo(f"--concurrency {concurrency}: {concurrency} engine processes, one shard each "
+                       f"(--shards-in-flight applies to a single-process worker)", err=True)
+    elif settings.shards_in_flight > 1:
+        pool, slots = "threads", settings.shards_in_flight
+    else:
+        pool, slots = "solo", 1
     # Workers share nothing but the ledger: no need for gossip, mingle or event heartbeats.
-    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}", f"--pool={pool}",
+    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
                      "--without-gossip", "--without-mingle", "--without-heartbeat"])
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import click
@@ -25,14 +26,16 @@ class Progress:
                             TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=_console())
         self.task = self.bar.add_task("requests", total=total, failed=0)
         self.failed = 0
+        self._lock = threading.Lock()   # shards in flight report from their own threads
 
     def __enter__(self):
         self.bar.start()
         return self.advance
 
     def advance(self, finish_reason: str, n: int = 1) -> None:
-        self.failed += n if finish_reason == FinishReason.ERROR else 0
-        self.bar.update(self.task, advance=n, failed=self.failed)
+        with self._lock:
+            self.failed += n if finish_reason == FinishReason.ERROR else 0
+            self.bar.update(self.task, advance=n, failed=self.failed)
 
     def set(self, done: int, failed: int) -> None:
         self.failed = failed
