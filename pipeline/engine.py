@@ -136,10 +136,10 @@ class Engine:
         arrival = time.perf_counter()
         try:
             prompt_ids = self.tokenize(request)
+            seq = Sequence(request.id, prompt_ids, request.params,
+                           IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
             return _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
-        seq = Sequence(request.id, prompt_ids, request.params,
-                       IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival)
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_output(request.id, error, len(prompt_ids), arrival)

@@ -50,6 +50,11 @@ class EngineLoop:
         self._thread.start()
 
     @property
+    def is_serving(self) -> bool:
+        """False once closed or once its thread died (an engine bug): build another."""
+        return not self._closed and self._crashed is None and self._thread.is_alive()
+
+    @property
     def num_streams(self) -> int:
         with self._wake:
             return len(self._streams)
@@ -89,6 +94,8 @@ class EngineLoop:
                 except queue.Empty:
                     if self._crashed is not None:
                         raise RuntimeError("the engine loop stopped") from self._crashed
+                    if self._closed and not self._thread.is_alive():
+                        raise RuntimeError("the engine loop was closed")
                     continue
                 if isinstance(item, BaseException):
                     raise item

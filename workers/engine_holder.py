@@ -38,10 +38,12 @@ class EngineHolder:
             registered = False   # as a shard waiting for another engine
             try:
                 while True:
-                    current = self._loop is not None and config == self._config
+                    current = self._loop is not None and self._loop.is_serving and config == self._config
                     if current and (registered or not self._switches_pending):
                         break
-                    if self._users == 0:   # nobody holds the engine: (re)build it if needed
+                    # Nobody holds the engine: (re)build it if needed; a shard for the current
+                    # engine does not jump ahead of one waiting to switch.
+                    if self._users == 0 and (not current or not self._switches_pending):
                         if not current:
                             self._build(config)
                         break
@@ -60,6 +62,12 @@ class EngineHolder:
             with self._changed:
                 self._users -= 1
                 self._changed.notify_all()
+
+    def close(self) -> None:
+        """Free the engine (its model and KV cache); the next use builds a new one."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._users == 0)
+            self._drop()
 
     def _build(self, config: EngineConfig) -> None:
         self._drop()

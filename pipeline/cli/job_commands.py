@@ -173,10 +173,13 @@ def _run_here(Session, settings: Settings, job_id: str, sizes: list[int], engine
     try:
         with local_run.cancelled_on_interrupt(Session, root, job_id):
             engines = local_run.start_engine(Session, root, job_id, engine_options)
-            with render.Progress(sum(sizes)) as advance:
-                job = local_run.run_shards(Session, root, job_id, len(sizes), engines,
-                                           shards_in_flight=settings.shards_in_flight,
-                                           on_result=lambda row: advance(row["finish_reason"]))
+            try:
+                with render.Progress(sum(sizes)) as advance:
+                    job = local_run.run_shards(Session, root, job_id, len(sizes), engines,
+                                               shards_in_flight=settings.shards_in_flight,
+                                               on_result=lambda row: advance(row["finish_reason"]))
+            finally:
+                engines.close()   # the model and KV cache go now, not when the process ends
     except local_run.EngineDidNotStart as e:
         raise Fail(f"job {job_id} failed: {e}", EXIT_JOB_NOT_COMPLETED) from None
     except KeyboardInterrupt:

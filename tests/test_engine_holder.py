@@ -1,0 +1,64 @@
+"""EngineHolder: one engine loop per process, shared by the shards in flight, rebuilt only
+for other options once nobody uses it, and never handed out once it stopped serving."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pipeline import Request, SamplingParams
+from test_engine import one_torch_thread  # noqa: F401
+from workers.engine_holder import EngineHolder
+
+
+@pytest.fixture
+def options(tiny_model_dir):
+    return {"model": str(tiny_model_dir), "num_kv_blocks": 64}
+
+
+def generate_one(loop) -> int:
+    (out,) = loop.generate([Request("x", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2))])
+    return out.output_tokens
+
+
+def test_same_options_share_one_loop(options):
+    holder = EngineHolder()
+    with holder.use(options) as a, holder.use(dict(options)) as b:
+        assert a is b and a.is_serving
+        assert generate_one(a) == 2
+    holder.close()
+    assert not a.is_serving
+
+
+def test_other_options_wait_until_the_engine_is_free(options):
+    holder = EngineHolder()
+    other = {**options, "num_kv_blocks": 32}
+    got, entered, done = {}, threading.Event(), threading.Event()
+
+    def shard_with_other_options():
+        with holder.use(other) as loop:
+            got["loop"] = loop
+            entered.set()
+            done.wait(60)
+
+    with holder.use(options) as first:
+        t = threading.Thread(target=shard_with_other_options)
+        t.start()
+        assert not entered.wait(1.0) and first.is_serving   # not rebuilt under a running shard
+    assert entered.wait(60)
+    assert got["loop"] is not first and not first.is_serving
+    assert got["loop"].engine.block_manager.num_blocks == 32
+    done.set()
+    t.join(60)
+    holder.close()
+
+
+def test_a_loop_that_stopped_serving_is_replaced(options):
+    holder = EngineHolder()
+    with holder.use(options) as broken:
+        pass
+    broken.close()                                          # as if its thread had died
+    with holder.use(options) as fresh:
+        assert fresh is not broken and generate_one(fresh) == 2
+    holder.close()
