@@ -32,9 +32,10 @@ class Settings:
     visibility_timeout_s: int = _setting("PIPELINE_VISIBILITY_TIMEOUT", 3600)
     recovery_interval_s: float = _setting("PIPELINE_RECOVERY_INTERVAL", 30.0)  # 0: no recovery thread
     queued_grace_s: float = _setting("PIPELINE_QUEUED_GRACE_SECONDS", 60.0)
-    # Shards one engine works on at once (their requests share its batches): while one
-    # drains, the next already runs, so the batch never runs dry at a shard boundary.
-    shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 2)
+    # Most shards one engine works on at once (their requests share its batches; each
+    # starts once the batch has room): while one drains, the next already runs, so the
+    # batch never runs dry at a shard boundary, and small shards fill it together.
+    shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 8)
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here

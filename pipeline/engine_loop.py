@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from pipeline.request import Request, RequestOutput
 
-POLL_S = 0.05   # how often a waiting caller checks its should_stop
+POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wakes it at once)
 
 
 class _Stream:
@@ -53,6 +53,18 @@ class EngineLoop:
     def is_serving(self) -> bool:
         """False once closed or once its thread died (an engine bug): build another."""
         return not self._closed and self._crashed is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests given to the loop and not finished yet (read without a lock: a snapshot)."""
+        return len(self._inbox) + self.engine.scheduler.num_unfinished
+
+    @property
+    def has_room(self) -> bool:
+        """Whether the engine has less work than it keeps at hand: a full batch and as many
+        again waiting (the backlog Engine.generate keeps, so a finished sequence is replaced
+        at once)."""
+        return self.num_unfinished < self.lookahead
 
     @property
     def num_streams(self) -> int:

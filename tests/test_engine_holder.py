@@ -62,3 +62,31 @@ def test_a_loop_that_stopped_serving_is_replaced(options):
     with holder.use(options) as fresh:
         assert fresh is not broken and generate_one(fresh) == 2
     holder.close()
+
+
+def test_a_shard_starts_only_when_the_batch_has_room(options):
+    """max_num_seqs 2: the loop keeps 4 requests at hand; while a shard keeps it at 4,
+    the next shard waits; it goes once fewer are left, or at once when told to stop."""
+    holder = EngineHolder()
+    finished = []
+    with holder.use({**options, "max_num_seqs": 2}) as loop:
+        requests = [Request(f"a{i}", prompt_token_ids=[5 + i, 6, 7], params=SamplingParams(
+            max_tokens=40 + 10 * i, ignore_eos=True)) for i in range(6)]
+        first = threading.Thread(target=lambda: finished.extend(o.id for o in loop.generate(requests)))
+        first.start()
+        assert _wait(lambda: loop.num_unfinished >= 4)
+        assert not loop.has_room
+        holder.wait_for_room(stop=lambda: True)            # told to stop: returns at once
+        holder.wait_for_room(stop=lambda: False)           # blocks until the first shard drains
+        assert len(finished) >= 3 and loop.has_room
+        first.join(60)
+    holder.close()
+
+
+def _wait(predicate, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -416,7 +416,7 @@ def test_redis_restart_mid_job_loses_nothing(postgres_url, cluster_factory):
     with private_redis() as (broker, restart_redis):
         c = cluster_factory(postgres_url, broker_url=broker)
         rows = warm_then_long("r", 3, 9)
-        c.start_worker()
+        c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=2)  # takes 2 of the 4 shards: 2 stay queued in Redis
         job_id = c.submit(rows, shard_size=3)
         c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
         assert redis.Redis.from_url(broker).llen(c.queue) > 0  # messages that the restart will lose
@@ -516,7 +516,8 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     for victim in victims:
         shard = c.shards(job_id)[victim.index]
         assert shard.releases == 1 and not (shard.status == "running" and shard.attempt == victim.attempt)
-    assert c.log(proc).count("'released'") == len(victims)
+    # the victims, and any shard task still waiting for room in the batch (never claimed)
+    assert c.log(proc).count("'released'") >= len(victims)
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(rows)
     c.assert_exactly_once(job_id, [r["id"] for r in rows])

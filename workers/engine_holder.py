@@ -2,14 +2,17 @@
 
 The engine is wrapped in an EngineLoop, so the shards in flight in this process (the
 worker's threads, or `pipeline run`'s) feed one continuous batch: while one shard's last
-requests drain, the next shard's already run beside them.
+requests drain, the next shard's already run beside them. A shard starts only when the
+batch has room for it (wait_for_room): small shards then run many at a time until the
+batch is full, large ones about two at a time, and no shard is claimed only to wait.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from pipeline.config import EngineConfig
 
@@ -29,6 +32,8 @@ class EngineHolder:
         self._loop = None
         self._users = 0
         self._switches_pending = 0   # shards waiting for other options than the current engine's
+        self._gate = threading.Lock()   # wait_for_room: one shard at a time
+        self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
 
     @contextlib.contextmanager
     def use(self, options: dict) -> Iterator:
@@ -62,6 +67,26 @@ class EngineHolder:
             with self._changed:
                 self._users -= 1
                 self._changed.notify_all()
+
+    def wait_for_room(self, stop: Callable[[], bool], poll_s: float = 0.05, settle_s: float = 2.0) -> None:
+        """Return once the engine's batch has room for another shard's requests (or there
+        is no engine yet, or stop() is true). Shards pass one at a time, each after the one
+        before it has put its requests in (or settle_s passed: it may have had nothing to
+        run), so a batch with room for a few requests does not let in every waiting shard."""
+        with self._gate:
+            while self._settling is not None and self._settling() and not stop():
+                time.sleep(poll_s)
+            while not stop():
+                loop = self._loop
+                if loop is None or not loop.is_serving or loop.has_room:
+                    break
+                time.sleep(poll_s)
+            loop = self._loop
+            if loop is None:
+                self._settling = None
+                return
+            before, deadline = loop.num_unfinished, time.monotonic() + settle_s
+            self._settling = lambda: loop.num_unfinished <= before and time.monotonic() < deadline
 
     def close(self) -> None:
         """Free the engine (its model and KV cache); the next use builds a new one."""

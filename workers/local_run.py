@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,20 +52,27 @@ def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_optio
 
 def run_shards(Session: sessionmaker[Session], root, job_id: str, num_shards: int, engines: EngineHolder, *,
                shards_in_flight: int = 2, on_result: Callable[[dict], None] | None = None) -> ledger.Job:
-    """Run every shard of job_id here, `shards_in_flight` at a time; returns the ended job.
+    """Run every shard of job_id here, up to `shards_in_flight` at a time (each starting
+    once the engine's batch has room for it, as on a worker); returns the ended job.
 
     Interrupted (Ctrl-C), it cancels the job in the ledger so that the running shards stop
     at their next step and commit what finished, waits for them, and re-raises.
     """
     worker = f"{socket.gethostname()}:{os.getpid()}"
+    interrupted = threading.Event()
+
+    def run(index: int):
+        engines.wait_for_room(stop=interrupted.is_set)
+        return run_shard(Session, root, job_id, index, engine_provider=engines.use,
+                         worker_name=worker, max_attempts=1, on_result=on_result)
+
     pool = ThreadPoolExecutor(max_workers=shards_in_flight, thread_name_prefix="shard")
     try:
-        futures = [pool.submit(run_shard, Session, root, job_id, index, engine_provider=engines.use,
-                               worker_name=worker, max_attempts=1, on_result=on_result)
-                   for index in range(num_shards)]
+        futures = [pool.submit(run, index) for index in range(num_shards)]
         for future in futures:
             future.result()
     except BaseException:
+        interrupted.set()
         with Session() as s:
             ledger.request_cancel(s, job_id)
         pool.shutdown(wait=True, cancel_futures=True)

@@ -57,6 +57,10 @@ def request_shutdown() -> None:
     _shutdown.set()
 
 
+def shutting_down() -> bool:
+    return _shutdown.is_set()
+
+
 def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
     engine_provider: Callable[[dict], AbstractContextManager], worker_name: str, lease_s: float = 60,

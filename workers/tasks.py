@@ -14,7 +14,7 @@ from jobs import ledger
 from workers import broker
 from workers.app import app, settings
 from workers.engine_holder import EngineHolder
-from workers.shard_runner import ShardOutcome, run_shard
+from workers.shard_runner import ShardOutcome, run_shard, shutting_down
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     the reaper re-enqueues it once the holder's lease expires.
     """
     cfg = settings()
+    # Several shard tasks run at once in a worker (threads); each starts once the engine's
+    # batch has room for it, before it claims its shard (so a waiting shard holds no lease).
+    _engines.wait_for_room(stop=shutting_down)
     try:
         outcome = run_shard(_session_factory(cfg.database_url), cfg.data_dir, job_id, index,
                             engine_provider=_engines.use, worker_name=f"{self.request.hostname}:{os.getpid()}",

@@ -24,8 +24,8 @@ _SETTING_OPTIONS = {
     "max_attempts": dict(decls=("--max-attempts",), type=click.IntRange(min=1), show_default=True,
                          help="Attempts a shard gets (as the workers': PIPELINE_MAX_ATTEMPTS)."),
     "shards_in_flight": dict(decls=("--shards-in-flight",), type=click.IntRange(min=1), show_default=True,
-                             help="Shards one engine runs at once, sharing its batches, so that it never "
-                                  "runs dry between shards."),
+                             help="Most shards one engine runs at once, sharing its batches (each starts "
+                                  "once the batch has room), so that it never runs dry between shards."),
     "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }

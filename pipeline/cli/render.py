@@ -23,7 +23,8 @@ class Progress:
     def __init__(self, total: int):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=_console())
+                            TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=_console(),
+                            refresh_per_second=2)  # a nightly job needs no 10 Hz redraw competing for the CPU
         self.task = self.bar.add_task("requests", total=total, failed=0)
         self.failed = 0
         self._lock = threading.Lock()   # shards in flight report from their own threads
