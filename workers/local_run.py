@@ -51,7 +51,7 @@ def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_optio
 
 
 def run_shards(Session: sessionmaker[Session], root, job_id: str, num_shards: int, engines: EngineHolder, *,
-               shards_in_flight: int = 2, on_result: Callable[[dict], None] | None = None) -> ledger.Job:
+               shards_in_flight: int, on_result: Callable[[dict], None] | None = None) -> ledger.Job:
     """Run every shard of job_id here, up to `shards_in_flight` at a time (each starting
     once the engine's batch has room for it, as on a worker); returns the ended job.
 
