@@ -34,6 +34,7 @@ class EngineHolder:
         self._switches_pending = 0   # shards waiting for other options than the current engine's
         self._gate = threading.Lock()   # wait_for_room: one shard at a time
         self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
+        self._building = False
 
     @contextlib.contextmanager
     def use(self, options: dict) -> Iterator:
@@ -82,10 +83,11 @@ class EngineHolder:
                     break
                 time.sleep(poll_s)
             loop = self._loop
-            if loop is None:
-                self._settling = None
+            deadline = time.monotonic() + settle_s
+            if loop is None:   # the first shard builds the engine: the next waits for that
+                self._settling = lambda: self._building or (self._loop is None and time.monotonic() < deadline)
                 return
-            before, deadline = loop.num_unfinished, time.monotonic() + settle_s
+            before = loop.num_unfinished
             self._settling = lambda: loop.num_unfinished <= before and time.monotonic() < deadline
 
     def close(self) -> None:
@@ -98,7 +100,11 @@ class EngineHolder:
         self._drop()
         from pipeline.engine import Engine  # torch: only once an engine is really needed
         from pipeline.engine_loop import EngineLoop
-        self._loop, self._config = EngineLoop(Engine(config)), config
+        self._building = True
+        try:
+            self._loop, self._config = EngineLoop(Engine(config)), config
+        finally:
+            self._building = False
 
     def _drop(self) -> None:
         # Free the old model and KV cache before allocating the new ones.
