@@ -100,11 +100,10 @@ class Engine:
         happens when the caller stops iterating early (closes the generator).
         """
         pending = iter(requests)
-        lookahead = 2 * self.config.max_num_seqs
         exhausted = False
         try:
             while True:
-                while not exhausted and len(self.scheduler.waiting) < lookahead:
+                while not exhausted and len(self.scheduler.waiting) < self.lookahead:
                     request = next(pending, None)
                     if request is None:
                         exhausted = True
@@ -125,6 +124,12 @@ class Engine:
             # sequences behind, holding blocks and resurfacing in the next call.
             if self.scheduler.num_unfinished:
                 self.scheduler.abort_all()
+
+    @property
+    def lookahead(self) -> int:
+        """Requests worth keeping queued: as many again as a full batch, so that a finished
+        sequence is replaced at once without pulling a huge input in all at once."""
+        return 2 * self.config.max_num_seqs
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -38,7 +38,7 @@ class _Stream:
 class EngineLoop:
     def __init__(self, engine):
         self.engine = engine
-        self.lookahead = 2 * engine.config.max_num_seqs   # requests a stream keeps in the engine
+        self.lookahead = engine.lookahead   # requests a stream keeps in the engine
         self._keys = itertools.count()
         self._wake = threading.Condition()
         self._inbox: list[tuple[_Stream, Request]] = []   # new requests, oldest first
