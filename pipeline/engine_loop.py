@@ -7,9 +7,17 @@ lazily, a bounded number ahead), and only its own results come back, in the call
 thread, as they finish. A stream that stops (should_stop, the caller closing it, an
 exception) drops only its own unfinished requests.
 
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: Engine(config))   # built in the loop's thread
     for out in loop.generate(requests, should_stop=cancelled):   # from any thread
         ...
+
+The engine is built in the loop's own thread, so one thread does all of its torch work:
+libgomp gives each thread that runs parallel work a team of its own, and once a process
+holds more such threads than CPUs, every team's threads stop spinning between parallel
+regions and sleep in the kernel instead. An engine built in one thread and stepped in
+another thus ran 8-10% of each step off the CPU on 2 cores (98% on it when one thread
+does both, as in `pipeline bench`). The process should also call
+pipeline.host_memory.use_one_malloc_arena() before it starts threads.
 """
 from __future__ import annotations
 
@@ -18,8 +26,12 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from pipeline.request import Request, RequestOutput
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
 
 POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wakes it at once)
 
@@ -36,9 +48,9 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine):
-        self.engine = engine
-        self.lookahead = engine.lookahead   # requests a stream keeps in the engine
+    def __init__(self, make_engine: Callable[[], Engine]):
+        """Build the engine with make_engine() in the loop's thread and start serving;
+        whatever make_engine raises is raised here."""
         self._keys = itertools.count()
         self._wake = threading.Condition()
         self._inbox: list[tuple[_Stream, Request]] = []   # new requests, oldest first
@@ -46,8 +58,15 @@ class EngineLoop:
         self._streams: dict[int, _Stream] = {}
         self._closed = False
         self._crashed: BaseException | None = None   # what ended the loop thread, if anything
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine-loop", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        self.lookahead = self.engine.lookahead   # requests a stream keeps in the engine
 
     @property
     def is_serving(self) -> bool:
@@ -130,7 +149,14 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, make_engine) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as e:   # raised to the caller of __init__
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
         try:
             self._serve()
         except BaseException as e:   # a bug here must not leave callers waiting for ever

@@ -19,7 +19,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture
 def loop(engine):
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: engine)
     yield loop
     loop.close()
     assert all_blocks_free(engine)
@@ -130,7 +130,32 @@ def test_an_engine_failure_reaches_its_callers_and_the_loop_goes_on(engine, loop
 
 
 def test_closed_loop_refuses_new_callers(engine):
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: engine)
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
         next(loop.generate(requests_of(7, 1)))
+
+
+def test_the_engine_is_built_and_stepped_in_the_loops_own_thread(engine, monkeypatch):
+    """One thread does all the engine's torch work (see engine_loop's docstring)."""
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread())
+        return engine
+
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: threads.append(threading.current_thread()) or real_step())
+    loop = EngineLoop(build)
+    try:
+        assert len(list(loop.generate(requests_of(8, 3)))) == 3
+    finally:
+        loop.close()
+    assert len(threads) > 1 and {t.name for t in threads} == {"engine-loop"} and len(set(threads)) == 1
+
+
+def test_a_failed_build_is_raised_to_the_caller_and_leaves_no_thread():
+    before = threading.active_count()
+    with pytest.raises(OSError, match="no such model"):
+        EngineLoop(lambda: (_ for _ in ()).throw(OSError("no such model")))
+    assert threading.active_count() == before

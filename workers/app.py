@@ -15,6 +15,12 @@ from __future__ import annotations
 from celery import Celery
 
 from jobs.settings import Settings
+from pipeline.host_memory import use_one_malloc_arena
+
+# First, before numpy and pyarrow start their threads: the engine steps in a thread of
+# its own and must share the main malloc arena (pipeline/host_memory.py). `pipeline
+# worker` has set it already; this covers `celery -A workers.app worker`.
+use_one_malloc_arena()
 
 # workers.lifecycle holds the signal handlers: importing it connects them.
 app = Celery("pipeline", include=["workers.tasks", "workers.lifecycle"])

@@ -102,7 +102,7 @@ class EngineHolder:
         from pipeline.engine_loop import EngineLoop
         self._building = True
         try:
-            self._loop, self._config = EngineLoop(Engine(config)), config
+            self._loop, self._config = EngineLoop(lambda: Engine(config)), config
         finally:
             self._building = False
 

@@ -147,12 +147,12 @@ def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
         except ValueError as e:  # e.g. a sampling setting the engine rejects: this request fails alone
             rows[spec.id] = _row(_error_output(spec.id, f"invalid request: {e}"), index, attempt)
             _notify(on_result, rows[spec.id])
-    cancel = _CancelPoll(Session, job_id)
     start = time.perf_counter()
-    stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
-    for out in engine.generate(requests, should_stop=stop):
-        rows[out.id] = _row(out, index, attempt)
-        _notify(on_result, rows[out.id])
+    with _CancelPoll(Session, job_id) as cancel:
+        stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
+        for out in engine.generate(requests, should_stop=stop):
+            rows[out.id] = _row(out, index, attempt)
+            _notify(on_result, rows[out.id])
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
     # shutdown (both never committed).
     interrupted = len(rows) < len(specs)
@@ -207,20 +207,48 @@ def _notify(on_result, row: dict) -> None:
 
 
 class _CancelPoll:
-    """should_stop for a cancel: asks the ledger at most every CANCEL_POLL_S seconds."""
+    """should_stop for a cancel. The answer per job is shared by every shard of it running
+    in this process (a worker often runs several of one job), so the ledger is asked at
+    most once every CANCEL_POLL_S seconds per job, not once per shard: each query is
+    Python work that holds the GIL the engine thread needs."""
+
+    _lock = threading.Lock()
+    _jobs: dict[tuple, list] = {}   # (Session, job_id) -> [next poll time, seen, shards polling]
 
     def __init__(self, Session, job_id: str):
         self.Session, self.job_id = Session, job_id
+        self._key = (Session, job_id)
+        with self._lock:
+            self._jobs.setdefault(self._key, [0.0, False, 0])[2] += 1
         self.seen = False
-        self._next = 0.0
 
     def __call__(self) -> bool:
+        if self.seen:
+            return True
         now = time.monotonic()
-        if not self.seen and now >= self._next:
-            self._next = now + CANCEL_POLL_S
+        with self._lock:
+            state = self._jobs[self._key]
+            due = now >= state[0]
+            if due:
+                state[0] = now + CANCEL_POLL_S   # the other shards wait for this answer
+            self.seen = state[1]
+        if due and not self.seen:
             with self.Session() as s:
-                self.seen = ledger.is_cancelling(s, self.job_id)
+                seen = ledger.is_cancelling(s, self.job_id)
+            with self._lock:
+                state[1] = state[1] or seen
+                self.seen = state[1]
         return self.seen
+
+    def __enter__(self) -> "_CancelPoll":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            state = self._jobs[self._key]
+            state[2] -= 1
+            if state[2] == 0:
+                del self._jobs[self._key]
 
 
 class _LeaseKeeper:

@@ -23,6 +23,9 @@ def main():
       3  the broker (Redis) is unreachable
       130  `pipeline run` was interrupted (Ctrl-C); its job is cancelled
     """
+    # Before any thread starts: the engine steps in a thread of its own (see host_memory).
+    from pipeline.host_memory import use_one_malloc_arena
+    use_one_malloc_arena()
 
 
 for command in (job_commands.submit_command, job_commands.run_command, job_commands.retry_command,
