@@ -2,16 +2,19 @@
 
 All or nothing: an invalid file raises jobs.spec.InvalidInput before anything exists, and
 any later failure removes the job's directory again, so no half-created job is left.
-`create_retry_job` makes a new job of the failed requests of an ended one.
+Standard input (`create_job_from_stream`) is read once, into the job's own copy.
+`create_retry_job` makes a new job of the unanswered requests of an ended one.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger, spec
+from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.shards import write_input_shards, write_retry_shards
 from jobs.states import JobStatus
@@ -25,16 +28,51 @@ def create_job_from_file(
     """Validate `path`, shard it under the data root and insert a queued job.
 
     Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
-    including OpenAI lines naming another model than `model`) when the file has errors,
-    creating nothing.
+    including OpenAI lines naming another model than `model`, or a path that is not a
+    regular file) when the file has errors, creating nothing.
     """
+    return _create_job(Session, root, new_job_id(), path, model=model, engine_options=engine_options,
+                       shard_size=shard_size, limits=limits, metadata=metadata)
+
+
+def create_job_from_stream(
+    Session: sessionmaker[Session], root, stream: BinaryIO, *, model: str, engine_options: dict,
+    shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
+) -> tuple[str, list[int]]:
+    """create_job_from_file for a stream (standard input), which can be read only once:
+    it is copied into the job's own file (JobPaths.stdin_copy, the job's input_path),
+    at most limits.max_file_bytes of it, and that copy is validated and sharded."""
+    job_id = new_job_id()
+    copy = JobPaths(root, job_id).stdin_copy
+    try:
+        with atomic_write(copy, "wb") as f:
+            size = _copy_at_most(stream, f, limits.max_file_bytes + 1)
+        if size > limits.max_file_bytes:
+            error = spec.LineError(None, f"standard input has more than {limits.max_file_bytes} bytes, the limit")
+            raise spec.InvalidInput(spec.Validation(0, [error], 1, "pipeline", None))
+        return _create_job(Session, root, job_id, copy, model=model, engine_options=engine_options,
+                           shard_size=shard_size, limits=limits, metadata=metadata)
+    except BaseException:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        raise
+
+
+def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20) -> int:
+    copied = 0
+    while copied < limit and (data := src.read(min(chunk, limit - copied))):
+        dst.write(data)
+        copied += len(data)
+    return copied
+
+
+def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
+                limits: spec.Limits, metadata: dict | None) -> tuple[str, list[int]]:
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     # write_input_shards validates too, but it does not report the format and endpoint the job needs.
     validation = spec.validate(path, limits, model=model)
     if not validation.ok:
         raise spec.InvalidInput(validation)
-    job_id = new_job_id()
     job_paths = JobPaths(root, job_id)
     try:
         shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from openai.types import Batch
@@ -105,6 +108,34 @@ def test_bad_file_reports_every_line_and_creates_nothing(runner, data_root, tmp_
     assert not (data_root / "jobs").exists()
     with Session() as s:
         assert list_jobs(s) == []
+
+
+def test_a_fifo_or_a_device_is_refused_at_once_and_stdin_is_read_once(runner, data_root, tiny_model_dir, tmp_path,
+                                                                     Session):
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)  # nobody ever writes to it: a reader that opened it would wait for ever
+    env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root)}
+    for command, path in (("run", fifo), ("submit", fifo), ("run", "/dev/zero"), ("bench", fifo)):
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", command, str(path)], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (command, path, done.stderr)
+        kind = "a FIFO (named pipe)" if path == fifo else "a character device"
+        assert f"is {kind}, not a regular file" in done.stderr and "Traceback" not in done.stderr
+    assert not (data_root / "jobs").exists()
+    # Standard input is read once, into the job's own copy, and runs like a file.
+    rows = requests()
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    result = runner.invoke(main, ["run", "-", "--model", str(tiny_model_dir), *FAST], input=text)
+    assert result.exit_code == 0, result.output
+    with Session() as s:
+        (job,) = list_jobs(s)
+    copy = JobPaths(data_root, job.id).stdin_copy
+    assert job.input_path == str(copy) and copy.read_text() == text
+    ids = read_results(JobPaths(data_root, job.id).results_dir)["id"].to_pylist()
+    assert sorted(ids) == sorted(r["id"] for r in rows)
+    result = runner.invoke(main, ["run", "-", *FAST], input='{"prompt": "ok"}\n{"role": "wizard"}\n')
+    assert result.exit_code == 2 and "standard input: 1 error(s), nothing was submitted" in result.stderr
+    assert "line 2:" in result.stderr and [p.name for p in (data_root / "jobs").iterdir()] == [job.id]
 
 
 def test_status_json_is_an_openai_batch(runner, finished_job):

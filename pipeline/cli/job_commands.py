@@ -12,14 +12,21 @@ from pipeline.cli.errors import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMP
 from pipeline.cli.options import engine_options, settings_options
 
 
+# FILE may be "-": standard input, read once into the job's own copy.
+INPUT_FILE = click.Path(exists=True, dir_okay=False, allow_dash=True)
+
+
 @click.command("submit")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url")
 def submit_command(file, engine_options, shard_size, wait, settings):
-    """Queue FILE as a job for the workers; prints only the job id on stdout."""
+    """Queue FILE as a job for the workers; prints only the job id on stdout.
+
+    FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    """
     check_broker(settings)  # before creating anything: no job may wait for a broker that is down
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
@@ -30,12 +37,18 @@ def submit_command(file, engine_options, shard_size, wait, settings):
 
 
 @click.command("run")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @settings_options("shards_in_flight")
 def run_command(file, engine_options, shard_size, settings):
-    """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default)."""
+    """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
+
+    FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    Ctrl-C or SIGTERM stops it at the next engine step: what finished is kept, the job is
+    cancelled (`pipeline retry JOB --local` runs the rest); a job whose process died
+    (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
+    """
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
     _run_here(Session, settings, job_id, sizes, engine_options)
@@ -138,15 +151,20 @@ def check_broker(settings: Settings) -> None:
 
 def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int):
     from jobs.spec import InvalidInput
-    from jobs.submission import create_job_from_file
+    from jobs.submission import create_job_from_file, create_job_from_stream
     from pipeline.bundled import BUNDLED_NAME
 
+    options = dict(model=engine_options.get("model") or BUNDLED_NAME, engine_options=engine_options,
+                   shard_size=shard_size)
     try:
-        return create_job_from_file(Session, settings.data_dir, file, model=engine_options.get("model") or BUNDLED_NAME,
-                                    engine_options=engine_options, shard_size=shard_size)
+        if file == "-":
+            with click.open_file("-", "rb") as stdin:
+                return create_job_from_stream(Session, settings.data_dir, stdin, **options)
+        return create_job_from_file(Session, settings.data_dir, file, **options)
     except InvalidInput as e:
         v = e.validation
-        lines = [f"{file}: {v.num_errors} error(s), nothing was submitted:", *map(str, v.errors)]
+        name = "standard input" if file == "-" else file
+        lines = [f"{name}: {v.num_errors} error(s), nothing was submitted:", *map(str, v.errors)]
         if v.num_errors > len(v.errors):
             lines.append(f"... and {v.num_errors - len(v.errors)} more")
         raise Fail("\n".join(lines), EXIT_USAGE) from None
