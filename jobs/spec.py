@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from jobs.atomic import describe_file_type
 from jobs.request_fields import (
     DECODER, ENDPOINTS, SAMPLING_DEFAULTS, Bad, check, describe, openai_body, request_inputs, sampling_settings, string,
     too_deep,
@@ -149,17 +150,6 @@ def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
         return None, opened
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb"), opened
-
-
-def describe_file_type(st: os.stat_result) -> str:
-    """What kind of file a stat result is, for error messages ("a FIFO (named pipe)")."""
-    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISREG, "a regular file")):
-        if test(st.st_mode):
-            return kind
-    return "not a regular file"
 
 
 def _read_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:

@@ -77,7 +77,8 @@ def db_upgrade_command(settings):
 @engine_options
 def bench_command(requests, engine_options):
     """Time a workload file through the engine; prints one JSON line."""
-    from jobs.spec import describe_file_type, open_regular_file
+    from jobs.atomic import describe_file_type
+    from jobs.spec import open_regular_file
     from pipeline.bench import run_bench
     from pipeline.config import EngineConfig
 
