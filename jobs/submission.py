@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import ledger, spec
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
-from jobs.shards import write_input_shards, write_retry_shards
+from jobs.shards import read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
@@ -89,43 +89,63 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
 
 
 class NothingToRetry(ValueError):
-    """The job has no failed request (finish_reason "error") to run again."""
+    """The job has no request to run again (the message says why)."""
 
 
 def create_retry_job(
-    Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None,
+    Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None, only_failed: bool = False,
 ) -> tuple[str, list[int]]:
-    """A new queued job with exactly the failed requests (finish_reason "error") of the
-    ended job `job_id`: same ids, same normalised lines (so the same parameters) read
-    from its input shards, same model and engine options, metadata {"retry_of": job_id}.
+    """A new queued job with the requests of the ended job `job_id` that have no answer:
+    an error row, a cancelled row, or no row at all (never run: a cancelled or failed
+    job's shards that never ran). With only_failed, only the error rows. A request
+    answered in job_id is never taken, nor one an earlier retry of job_id already took
+    (retry that job for those), so each request runs again from one job only.
 
-    Returns (new job id, requests per shard). Raises ValueError if job_id is malformed,
-    unknown or not ended yet, NothingToRetry if none of its requests failed. All or
-    nothing, like create_job_from_file.
+    The new job has the same ids, the same normalised lines (so the same parameters)
+    read from the input shards, the same model and engine options, and metadata
+    {"retry_of": job_id}. Returns (new job id, requests per shard). Raises ValueError if
+    job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
+    to retry. All or nothing, like create_job_from_file.
     """
     from jobs.results import iter_result_rows
 
     check_job_id(job_id)
     with Session() as s:
         old = ledger.get_job(s, job_id)
+        earlier = ledger.retries_of(s, job_id) if old is not None else []
     if old is None:
         raise ValueError(f"unknown job {job_id!r}")
     if old.status not in JobStatus.terminal():
-        raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried")
-    old_paths = JobPaths(root, job_id)
-    failed = {row["id"] for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"])
-              if row["finish_reason"] == FinishReason.ERROR}
-    if not failed:
-        raise NothingToRetry(f"job {job_id} has no failed requests: nothing to retry")
+        raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried "
+                         f"(`pipeline resume {job_id}` finishes it in place)")
     shard_size = shard_size or old.shard_size
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    old_paths = JobPaths(root, job_id)
+    answered, failed = set(), set()
+    for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"]):
+        reason = FinishReason(row["finish_reason"])
+        if reason.is_success:
+            answered.add(row["id"])
+        elif reason == FinishReason.ERROR:
+            failed.add(row["id"])
+    taken = {spec.id for job in earlier for index in range(job.num_shards)
+             for spec in read_shard(JobPaths(root, job.id).input_shard(index))}
+    num_taken = 0
+
+    def wanted(request_id: str) -> bool:
+        nonlocal num_taken
+        if request_id in answered or (only_failed and request_id not in failed):
+            return False
+        num_taken += request_id in taken
+        return request_id not in taken
+
     new_id = new_job_id()
     new_paths = JobPaths(root, new_id)
     try:
-        sizes = write_retry_shards(old_paths, old.num_shards, failed, new_paths.input_dir, shard_size)
-        if not sizes:  # the failed ids are not in its input shards (should not happen)
-            raise NothingToRetry(f"job {job_id}: its failed requests are not in its input shards")
+        sizes = write_retry_shards(old_paths, old.num_shards, wanted, new_paths.input_dir, shard_size)
+        if not sizes:
+            raise NothingToRetry(_nothing_to_retry(job_id, only_failed, num_taken, earlier))
         with Session() as s:
             ledger.create_job(
                 s, job_id=new_id, model=old.model, engine_options=old.engine_options,
@@ -137,3 +157,12 @@ def create_retry_job(
         shutil.rmtree(new_paths.dir, ignore_errors=True)
         raise
     return new_id, sizes
+
+
+def _nothing_to_retry(job_id: str, only_failed: bool, num_taken: int, earlier) -> str:
+    if num_taken:
+        return (f"the {num_taken} request(s) of job {job_id} left to retry were retried already, as "
+                f"{', '.join(job.id for job in earlier)}: retry that job instead")
+    if only_failed:
+        return f"job {job_id} has no failed requests: nothing to retry"
+    return f"every request of job {job_id} has an answer: nothing to retry"

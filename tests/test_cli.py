@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from openai.types import Batch
@@ -286,6 +287,59 @@ def test_cancel_a_queued_job_finishes_it_at_once(runner, data_root, tmp_path, Se
     assert JobPaths(data_root, job_id).stats_file.exists()
     result = runner.invoke(main, ["cancel", job_id])
     assert result.exit_code == 0, result.output  # cancelling twice is harmless
+
+
+def answered_ids(data_root, job_ids):
+    """Ids with a successful answer (stop or length) in each job's results, counted over all of them."""
+    return Counter(r["id"] for job_id in job_ids
+                   for r in read_results(JobPaths(data_root, job_id).results_dir).to_pylist()
+                   if r["finish_reason"] in ("stop", "length"))
+
+
+def test_retry_takes_every_unanswered_request_once(runner, data_root, tiny_model_dir, tmp_path, Session):
+    """A cancelled job with one answer of each kind: retry takes the failed, cancelled and
+    never run requests (--only-failed just the failed one), and never one taken before."""
+    from jobs.finalize import finalize_job
+    from jobs.ledger import claim_shard, commit_shard, request_cancel
+    from jobs.results import write_shard_tmp
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Say {i}", "max_tokens": 2} for i in "abcdef"])
+    job_id, _ = create_job_from_file(Session, data_root, src, model=str(tiny_model_dir),
+                                     engine_options={"model": str(tiny_model_dir), "kv_cache_gib": 0.05},
+                                     shard_size=2)
+    jp = JobPaths(data_root, job_id)
+    row = dict(output="x", prompt_tokens=1, output_tokens=1, cached_tokens=0, error=None, queue_s=0.0,
+               ttft_s=0.1, latency_s=0.1, attempt=1)
+    outcomes = {0: [("a", "stop"), ("b", "error")], 1: [("c", "length"), ("d", "cancelled")]}
+    with Session() as s:
+        for index in outcomes:
+            assert claim_shard(s, job_id, index, "test:1", 60, 1) == 1
+        assert request_cancel(s, job_id)  # shard 2 (e, f) was still queued: it never runs
+        for index, rows in outcomes.items():
+            write_shard_tmp([{**row, "id": i, "finish_reason": r, "shard": index} for i, r in rows],
+                            jp.tmp_result(index, 1))
+            assert commit_shard(s, job_id, index, 1, completed=1, failed=rows[1][1] == "error", prompt_tokens=2,
+                                output_tokens=2, tmp_path=jp.tmp_result(index, 1),
+                                final_path=jp.result_shard(index), status="cancelled" if index else "completed")
+    assert finalize_job(Session, data_root, job_id)
+
+    def retry(*args):
+        result = runner.invoke(main, ["retry", job_id, "--local", *args])
+        assert result.exit_code == 0, result.output
+        new_id = result.stdout.splitlines()[0]
+        ids = [json.loads(line)["id"] for p in sorted(JobPaths(data_root, new_id).input_dir.iterdir())
+               for line in p.read_text().splitlines()]
+        return new_id, ids
+
+    only_failed, ids = retry("--only-failed")
+    assert ids == ["b"]
+    rest, ids = retry()
+    assert ids == ["d", "e", "f"]  # b was taken by the first retry
+    result = runner.invoke(main, ["retry", job_id, "--local"])
+    assert result.exit_code == 1 and f"retried already, as {only_failed}, {rest}" in result.stderr
+    assert answered_ids(data_root, [job_id, only_failed, rest]) == Counter("abcdef")
+    with Session() as s:
+        assert [get_job(s, i).metadata_ for i in (only_failed, rest)] == [{"retry_of": job_id}] * 2
 
 
 def test_run_with_a_model_that_cannot_load_fails_the_job(runner, data_root, tmp_path, Session):

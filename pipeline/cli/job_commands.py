@@ -56,15 +56,20 @@ def run_command(file, engine_options, shard_size, settings):
 
 @click.command("retry")
 @click.argument("job_id")
+@click.option("--only-failed", is_flag=True, help="Only the requests that failed (finish_reason error), not the "
+                                                  "cancelled or never run ones.")
 @click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
 @click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
 @click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url", "shards_in_flight")
-def retry_command(job_id, local, shard_size, wait, settings):
-    """Run the failed requests (finish_reason error) of an ended job again, as a new job.
+def retry_command(job_id, only_failed, local, shard_size, wait, settings):
+    """Run the requests of an ended job that have no answer again, as a new job.
 
-    The new job has the same request ids, parameters, model and engine options, and
-    metadata {"retry_of": JOB}; its id is printed on stdout.
+    Those are the failed ones (finish_reason error), the cancelled ones and the ones that
+    never ran (a cancelled or interrupted job). A request answered in JOB is never run
+    again, nor one an earlier retry of JOB took already (retry that job instead). The
+    new job has the same request ids, parameters, model and engine options, and metadata
+    {"retry_of": JOB}; its id is printed on stdout. Exit 1 if nothing is left to retry.
     """
     from jobs import ledger
     from jobs.submission import NothingToRetry, create_retry_job
@@ -76,7 +81,8 @@ def retry_command(job_id, local, shard_size, wait, settings):
     with Session() as s:
         get_job(s, job_id)
     try:
-        new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size)
+        new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size,
+                                         only_failed=only_failed)
     except NothingToRetry as e:
         raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
     except ValueError as e:
