@@ -17,7 +17,7 @@ from pipeline.cli.options import settings_options
 @click.option("--json", "as_json", is_flag=True, help="Print the OpenAI Batch object (a list without JOB).")
 @settings_options()
 def status_command(job_id, as_json, settings):
-    """Show one job in detail, or all recent jobs."""
+    """Show one job in detail (and what to do next if it is stuck or has requests left), or all recent jobs."""
     from jobs import ledger
 
     if job_id:
@@ -26,11 +26,12 @@ def status_command(job_id, as_json, settings):
     with Session() as s:
         jobs = [get_job(s, job_id)] if job_id else ledger.list_jobs(s)
         counts = {job.id: ledger.job_counts(s, job.id) for job in jobs}
+        shards = ledger.get_shards(s, job_id) if job_id else []
     if as_json:
         objects = [render.batch(job, counts[job.id]) for job in jobs]
         click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
     elif job_id:
-        render.print_job(jobs[0], counts[job_id])
+        render.print_job(jobs[0], counts[job_id], render.next_step(jobs[0], shards, ledger.utcnow()))
     else:
         render.print_jobs(jobs)
 
