@@ -129,8 +129,8 @@ def create_retry_job(
             answered.add(row["id"])
         elif reason == FinishReason.ERROR:
             failed.add(row["id"])
-    taken = {spec.id for job in earlier for index in range(job.num_shards)
-             for spec in read_shard(JobPaths(root, job.id).input_shard(index))}
+    taken = {request.id for job in earlier for index in range(job.num_shards)
+             for request in read_shard(JobPaths(root, job.id).input_shard(index))}
     num_taken = 0
 
     def wanted(request_id: str) -> bool:

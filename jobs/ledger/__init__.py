@@ -50,6 +50,6 @@ __all__ = [
     "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "ensure_schema",
     "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
     "job_counts", "list_jobs", "make_engine", "open_sessions", "queued_shards", "release_shard", "renew_lease",
-    "request_cancel", "retake_finalize", "retries_of", "session_factory", "stale_finalizing_jobs", "take_over_expired",
-    "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+    "request_cancel", "retake_finalize", "retries_of", "session_factory", "stale_finalizing_jobs",
+    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
 ]

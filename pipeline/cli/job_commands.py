@@ -270,7 +270,7 @@ class _WaitNotes:
         if held and said != self.said:
             self.bar.note("; ".join(f"shard {sh.index} is held by {sh.worker} (lease until "
                                     f"{sh.lease_expires_at:%H:%M:%S} UTC)" for sh in held)
-                          + ": left to it, and taken over here if its lease expires")
+                          + ": each is left to its holder, and taken over here if its lease expires")
         self.said = said
 
 
