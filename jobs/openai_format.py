@@ -13,7 +13,7 @@ import time
 from datetime import datetime, timezone
 from typing import Iterable
 
-from jobs.atomic import atomic_write
+from jobs.atomic import TargetRefused, atomic_write, check_target, same_target
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
@@ -74,14 +74,22 @@ def is_error_line(line: dict) -> bool:
 
 
 def write_openai_files(rows: Iterable[dict], output_path, error_path, *,
-                       endpoint: str, model: str, created: int) -> tuple[int, int]:
+                       endpoint: str, model: str, created: int, overwrite: bool = False) -> tuple[int, int]:
     """Stream result rows into the batch output file (successes) and error file (failures).
 
     Both are written under temporary names and renamed at the end, so a reader never sees
-    half a file. Returns (successes, errors).
+    half a file. Returns (successes, errors). Before anything is written, raises
+    jobs.atomic.TargetRefused if the two paths are one file or either is not a regular
+    file, and TargetExists if either exists and overwrite is False.
     """
+    if same_target(output_path, error_path):
+        raise TargetRefused(f"the output file and the error file are the same file ({output_path}); "
+                            "give two different paths")
+    for path in (output_path, error_path):
+        check_target(path, overwrite=overwrite)
     counts = [0, 0]
-    with atomic_write(output_path) as out, atomic_write(error_path) as err:
+    with (atomic_write(output_path, overwrite=overwrite) as out,
+          atomic_write(error_path, overwrite=overwrite) as err):
         for row in rows:
             line = output_line(row, endpoint=endpoint, model=model, created=created)
             failed = is_error_line(line)

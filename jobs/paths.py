@@ -68,6 +68,11 @@ class JobPaths:
         return self._under_root(self.dir / "input")
 
     @property
+    def stdin_copy(self) -> Path:
+        """A job read from standard input keeps what it read here (its input_path)."""
+        return self._under_root(self.dir / "stdin.jsonl")
+
+    @property
     def results_dir(self) -> Path:
         return self._under_root(self.dir / "results")
 

@@ -13,6 +13,8 @@ from dataclasses import MISSING, fields
 from pipeline.sampling_params import SamplingParams
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# The roles of the OpenAI chat format; a chat template given another may render it as text or fail.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _OPENAI_INPUT_KEY = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
@@ -153,6 +155,8 @@ def _messages(name, v, max_chars):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise Bad(f"{where}.role must be a non-empty string, got {describe(role)}")
+        if role not in CHAT_ROLES:
+            raise Bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {describe(role)}")
         if not isinstance(content, str):
             parts = " (lists of content parts are not supported)" if isinstance(content, list) else ""
             raise Bad(f"{where}.content must be a string{parts}, got {describe(content)}")

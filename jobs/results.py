@@ -65,10 +65,13 @@ def iter_result_rows(results_dir: str | os.PathLike, columns: list[str] | None =
         yield from batch.to_pylist()
 
 
-def export_jsonl(results_dir: str | os.PathLike, out_path: str | os.PathLike) -> int:
-    """Write every committed row as a JSON line to out_path (atomically); return the number of rows."""
+def export_jsonl(results_dir: str | os.PathLike, out_path: str | os.PathLike, *, overwrite: bool = False) -> int:
+    """Write every committed row as a JSON line to out_path (atomically); return the number of rows.
+
+    An existing out_path is replaced only with overwrite (jobs.atomic.TargetExists otherwise).
+    """
     n = 0
-    with atomic_write(out_path) as f:
+    with atomic_write(out_path, overwrite=overwrite) as f:
         for row in iter_result_rows(results_dir):
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1

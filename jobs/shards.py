@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from jobs.atomic import atomic_write
@@ -56,14 +56,14 @@ def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Lim
     return write_shards(lines(), shard_dir, shard_size)
 
 
-def write_retry_shards(old: JobPaths, num_shards: int, ids: set[str], shard_dir: str | Path,
+def write_retry_shards(old: JobPaths, num_shards: int, wanted: Callable[[str], bool], shard_dir: str | Path,
                        shard_size: int) -> list[int]:
-    """Copy the old job's shard lines whose id is in `ids`, in input order, into new shards."""
+    """Copy the old job's shard lines whose id is wanted, in input order, into new shards."""
     def lines():
         for index in range(num_shards):
             with open(old.input_shard(index), encoding="utf-8") as f:
                 for line in f:
-                    if line.strip() and json.loads(line)["id"] in ids:
+                    if line.strip() and wanted(json.loads(line)["id"]):
                         yield line.rstrip("\n")
 
     return write_shards(lines(), shard_dir, shard_size)

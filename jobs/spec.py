@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
+from jobs.atomic import describe_file_type
 from jobs.request_fields import (
     DECODER, ENDPOINTS, SAMPLING_DEFAULTS, Bad, check, describe, openai_body, request_inputs, sampling_settings, string,
     too_deep,
@@ -131,12 +133,31 @@ def validate(path, limits: Limits = Limits(), *, model: str | None = None) -> Va
     return Validation(num_requests, errors, num_errors, reader.input_format or "pipeline", reader.endpoint)
 
 
-def _read_lines(path, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
+    """Open path for reading if it is a regular file: (file, its stat); else (None, its stat).
+
+    A FIFO or a device is never read: a FIFO blocks its reader until some writer comes and
+    serves one pass only, /dev/zero never ends and has no newline, and their size reads 0.
+    It is looked at before it is opened (opening a device can have effects) and again
+    after (it could have been swapped), without blocking on a FIFO in between.
+    """
+    if not stat.S_ISREG((before := os.stat(path)).st_mode):
+        return None, before
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        os.close(fd)
+        return None, opened
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), opened
+
+
+def _read_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """Yield (line number, line without its newline), or None for a line over max_bytes.
 
     readline is bounded, so an over-long line is never held whole: it is skipped in chunks.
     """
-    with open(path, "rb") as f:
+    with f:
         number = 0
         while chunk := f.readline(max_bytes + 1):
             number += 1
@@ -163,12 +184,17 @@ class _Reader:
 
     def __iter__(self) -> Iterator[tuple[int, RequestSpec | LineError]]:
         lim = self.limits
-        size = os.path.getsize(self.path)
-        if size > lim.max_file_bytes:
-            yield 0, LineError(None, f"the input file is {size} bytes; the limit is {lim.max_file_bytes} bytes")
+        f, st = open_regular_file(self.path)
+        if f is None:
+            yield 0, LineError(None, f"the input is {describe_file_type(st)}, not a regular file; give a file "
+                                     "(or - to read standard input once)")
+            return
+        if st.st_size > lim.max_file_bytes:
+            f.close()
+            yield 0, LineError(None, f"the input file is {st.st_size} bytes; the limit is {lim.max_file_bytes} bytes")
             return
         request_lines = 0
-        for number, raw in _read_lines(self.path, lim.max_line_bytes):
+        for number, raw in _read_lines(f, lim.max_line_bytes):
             if raw is not None and not raw.strip():
                 continue
             request_lines += 1

@@ -2,18 +2,21 @@
 
 All or nothing: an invalid file raises jobs.spec.InvalidInput before anything exists, and
 any later failure removes the job's directory again, so no half-created job is left.
-`create_retry_job` makes a new job of the failed requests of an ended one.
+Standard input (`create_job_from_stream`) is read once, into the job's own copy.
+`create_retry_job` makes a new job of the unanswered requests of an ended one.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger, spec
+from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
-from jobs.shards import write_input_shards, write_retry_shards
+from jobs.shards import read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
@@ -25,16 +28,51 @@ def create_job_from_file(
     """Validate `path`, shard it under the data root and insert a queued job.
 
     Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
-    including OpenAI lines naming another model than `model`) when the file has errors,
-    creating nothing.
+    including OpenAI lines naming another model than `model`, or a path that is not a
+    regular file) when the file has errors, creating nothing.
     """
+    return _create_job(Session, root, new_job_id(), path, model=model, engine_options=engine_options,
+                       shard_size=shard_size, limits=limits, metadata=metadata)
+
+
+def create_job_from_stream(
+    Session: sessionmaker[Session], root, stream: BinaryIO, *, model: str, engine_options: dict,
+    shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
+) -> tuple[str, list[int]]:
+    """create_job_from_file for a stream (standard input), which can be read only once:
+    it is copied into the job's own file (JobPaths.stdin_copy, the job's input_path),
+    at most limits.max_file_bytes of it, and that copy is validated and sharded."""
+    job_id = new_job_id()
+    copy = JobPaths(root, job_id).stdin_copy
+    try:
+        with atomic_write(copy, "wb") as f:
+            size = _copy_at_most(stream, f, limits.max_file_bytes + 1)
+        if size > limits.max_file_bytes:
+            error = spec.LineError(None, f"standard input has more than {limits.max_file_bytes} bytes, the limit")
+            raise spec.InvalidInput(spec.Validation(0, [error], 1, "pipeline", None))
+        return _create_job(Session, root, job_id, copy, model=model, engine_options=engine_options,
+                           shard_size=shard_size, limits=limits, metadata=metadata)
+    except BaseException:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        raise
+
+
+def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20) -> int:
+    copied = 0
+    while copied < limit and (data := src.read(min(chunk, limit - copied))):
+        dst.write(data)
+        copied += len(data)
+    return copied
+
+
+def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
+                limits: spec.Limits, metadata: dict | None) -> tuple[str, list[int]]:
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     # write_input_shards validates too, but it does not report the format and endpoint the job needs.
     validation = spec.validate(path, limits, model=model)
     if not validation.ok:
         raise spec.InvalidInput(validation)
-    job_id = new_job_id()
     job_paths = JobPaths(root, job_id)
     try:
         shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)
@@ -51,43 +89,63 @@ def create_job_from_file(
 
 
 class NothingToRetry(ValueError):
-    """The job has no failed request (finish_reason "error") to run again."""
+    """The job has no request to run again (the message says why)."""
 
 
 def create_retry_job(
-    Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None,
+    Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None, only_failed: bool = False,
 ) -> tuple[str, list[int]]:
-    """A new queued job with exactly the failed requests (finish_reason "error") of the
-    ended job `job_id`: same ids, same normalised lines (so the same parameters) read
-    from its input shards, same model and engine options, metadata {"retry_of": job_id}.
+    """A new queued job with the requests of the ended job `job_id` that have no answer:
+    an error row, a cancelled row, or no row at all (never run: a cancelled or failed
+    job's shards that never ran). With only_failed, only the error rows. A request
+    answered in job_id is never taken, nor one an earlier retry of job_id already took
+    (retry that job for those), so each request runs again from one job only.
 
-    Returns (new job id, requests per shard). Raises ValueError if job_id is malformed,
-    unknown or not ended yet, NothingToRetry if none of its requests failed. All or
-    nothing, like create_job_from_file.
+    The new job has the same ids, the same normalised lines (so the same parameters)
+    read from the input shards, the same model and engine options, and metadata
+    {"retry_of": job_id}. Returns (new job id, requests per shard). Raises ValueError if
+    job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
+    to retry. All or nothing, like create_job_from_file.
     """
     from jobs.results import iter_result_rows
 
     check_job_id(job_id)
     with Session() as s:
         old = ledger.get_job(s, job_id)
+        earlier = ledger.retries_of(s, job_id) if old is not None else []
     if old is None:
         raise ValueError(f"unknown job {job_id!r}")
     if old.status not in JobStatus.terminal():
-        raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried")
-    old_paths = JobPaths(root, job_id)
-    failed = {row["id"] for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"])
-              if row["finish_reason"] == FinishReason.ERROR}
-    if not failed:
-        raise NothingToRetry(f"job {job_id} has no failed requests: nothing to retry")
+        raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried "
+                         f"(`pipeline resume {job_id}` finishes it in place)")
     shard_size = shard_size or old.shard_size
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    old_paths = JobPaths(root, job_id)
+    answered, failed = set(), set()
+    for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"]):
+        reason = FinishReason(row["finish_reason"])
+        if reason.is_success:
+            answered.add(row["id"])
+        elif reason == FinishReason.ERROR:
+            failed.add(row["id"])
+    taken = {request.id for job in earlier for index in range(job.num_shards)
+             for request in read_shard(JobPaths(root, job.id).input_shard(index))}
+    num_taken = 0
+
+    def wanted(request_id: str) -> bool:
+        nonlocal num_taken
+        if request_id in answered or (only_failed and request_id not in failed):
+            return False
+        num_taken += request_id in taken
+        return request_id not in taken
+
     new_id = new_job_id()
     new_paths = JobPaths(root, new_id)
     try:
-        sizes = write_retry_shards(old_paths, old.num_shards, failed, new_paths.input_dir, shard_size)
-        if not sizes:  # the failed ids are not in its input shards (should not happen)
-            raise NothingToRetry(f"job {job_id}: its failed requests are not in its input shards")
+        sizes = write_retry_shards(old_paths, old.num_shards, wanted, new_paths.input_dir, shard_size)
+        if not sizes:
+            raise NothingToRetry(_nothing_to_retry(job_id, only_failed, num_taken, earlier))
         with Session() as s:
             ledger.create_job(
                 s, job_id=new_id, model=old.model, engine_options=old.engine_options,
@@ -99,3 +157,12 @@ def create_retry_job(
         shutil.rmtree(new_paths.dir, ignore_errors=True)
         raise
     return new_id, sizes
+
+
+def _nothing_to_retry(job_id: str, only_failed: bool, num_taken: int, earlier) -> str:
+    if num_taken:
+        return (f"the {num_taken} request(s) of job {job_id} left to retry were retried already, as "
+                f"{', '.join(job.id for job in earlier)}: retry that job instead")
+    if only_failed:
+        return f"job {job_id} has no failed requests: nothing to retry"
+    return f"every request of job {job_id} has an answer: nothing to retry"

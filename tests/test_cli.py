@@ -1,8 +1,14 @@
 """The `pipeline` CLI in-process (click's CliRunner) on a real SQLite ledger and the tiny model."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import stat
+import subprocess
+import sys
+from collections import Counter
 
 import pytest
 from openai.types import Batch
@@ -107,6 +113,34 @@ def test_bad_file_reports_every_line_and_creates_nothing(runner, data_root, tmp_
         assert list_jobs(s) == []
 
 
+def test_a_fifo_or_a_device_is_refused_at_once_and_stdin_is_read_once(runner, data_root, tiny_model_dir, tmp_path,
+                                                                     Session):
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)  # nobody ever writes to it: a reader that opened it would wait for ever
+    env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root)}
+    for command, path in (("run", fifo), ("submit", fifo), ("run", "/dev/zero"), ("bench", fifo)):
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", command, str(path)], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (command, path, done.stderr)
+        kind = "a FIFO (named pipe)" if path == fifo else "a character device"
+        assert f"is {kind}, not a regular file" in done.stderr and "Traceback" not in done.stderr
+    assert not (data_root / "jobs").exists()
+    # Standard input is read once, into the job's own copy, and runs like a file.
+    rows = requests()
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    result = runner.invoke(main, ["run", "-", "--model", str(tiny_model_dir), *FAST], input=text)
+    assert result.exit_code == 0, result.output
+    with Session() as s:
+        (job,) = list_jobs(s)
+    copy = JobPaths(data_root, job.id).stdin_copy
+    assert job.input_path == str(copy) and copy.read_text() == text
+    ids = read_results(JobPaths(data_root, job.id).results_dir)["id"].to_pylist()
+    assert sorted(ids) == sorted(r["id"] for r in rows)
+    result = runner.invoke(main, ["run", "-", *FAST], input='{"prompt": "ok"}\n{"role": "wizard"}\n')
+    assert result.exit_code == 2 and "standard input: 1 error(s), nothing was submitted" in result.stderr
+    assert "line 2:" in result.stderr and [p.name for p in (data_root / "jobs").iterdir()] == [job.id]
+
+
 def test_status_json_is_an_openai_batch(runner, finished_job):
     job_id, _ = finished_job
     result = runner.invoke(main, ["status", job_id, "--json"])
@@ -135,6 +169,90 @@ def test_results_export(runner, finished_job, tmp_path):
     ok = [json.loads(line)["custom_id"] for line in (tmp_path / "ok.jsonl").read_text().splitlines()]
     err = [json.loads(line)["custom_id"] for line in (tmp_path / "err.jsonl").read_text().splitlines()]
     assert len(ok) == 4 and err == ["too-long"]
+
+
+def export(runner, job_id, *args):
+    return runner.invoke(main, ["results", job_id, *map(str, args)])
+
+
+def exported_ids(path):
+    return sorted(json.loads(line).get("custom_id") or json.loads(line)["id"] for line in path.read_text().splitlines())
+
+
+def test_export_makes_missing_directories_and_reports_unwritable_ones(runner, finished_job, tmp_path):
+    job_id, _ = finished_job
+    out = tmp_path / "new" / "dir" / "out.jsonl"
+    assert export(runner, job_id, "--export", out).exit_code == 0
+    assert exported_ids(out) == sorted(r["id"] for r in requests())
+    ok = tmp_path / "other" / "ok.jsonl"
+    assert export(runner, job_id, "--format", "openai", "--output-file", ok).exit_code == 0
+    assert len(exported_ids(ok)) == 4 and exported_ids(ok.with_name("ok.errors.jsonl")) == ["too-long"]
+    (tmp_path / "a-file").write_text("")
+    result = export(runner, job_id, "--export", tmp_path / "a-file" / "out.jsonl")
+    assert result.exit_code == 1 and "the export could not be written" in result.stderr, result.output
+    assert isinstance(result.exception, SystemExit)  # a clear error, not a traceback
+
+
+def test_export_never_follows_a_planted_link_nor_replaces_a_device(runner, finished_job, tmp_path):
+    job_id, _ = finished_job
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out.jsonl"
+    planted = [tmp_path / ".out.jsonl.tmp", tmp_path / "out.jsonl.tmp"]  # the names a fixed temp file had
+    for link in planted:
+        link.symlink_to(victim)
+    assert export(runner, job_id, "--export", out).exit_code == 0
+    assert victim.read_text() == "precious" and all(link.is_symlink() for link in planted)
+    assert exported_ids(out) == sorted(r["id"] for r in requests())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == sorted(p.name for p in planted)
+    # A target that is not a regular file is refused, with or without --force.
+    fifo = tmp_path / "target.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(victim)
+    targets = [(fifo, "a FIFO (named pipe)"), (link, "a symbolic link")]
+    with contextlib.suppress(PermissionError):  # a character device like /dev/full, where root may make one
+        os.mknod(tmp_path / "full", 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+        targets.append((tmp_path / "full", "a character device"))
+    for target, kind in targets:
+        for force in ([], ["--force"]):
+            result = export(runner, job_id, "--export", target, *force)
+            assert result.exit_code == 2 and f"is {kind}, not a regular file" in result.stderr, result.output
+            result = export(runner, job_id, "--format", "openai", "--output-file", tmp_path / "ok.jsonl",
+                            "--error-file", target, *force)
+            assert result.exit_code == 2 and "nothing was written" in result.stderr, result.output
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and victim.read_text() == "precious"
+    assert not (tmp_path / "ok.jsonl").exists()  # refused up front: not even the output file
+
+
+def test_export_refuses_one_file_for_output_and_errors(runner, finished_job, tmp_path):
+    job_id, _ = finished_job
+    tmp_path = tmp_path / "exports"
+    (tmp_path / "d").mkdir(parents=True)
+    for out, err in ((tmp_path / "x.jsonl", tmp_path / "x.jsonl"),
+                     (tmp_path / "d" / ".." / "x.jsonl", tmp_path / "x.jsonl")):
+        result = export(runner, job_id, "--format", "openai", "--output-file", out, "--error-file", err)
+        assert result.exit_code == 2 and "are the same file" in result.stderr, result.output
+    result = export(runner, job_id, "--format", "openai", "--export", tmp_path / "x.jsonl",
+                    "--error-file", tmp_path / "x.jsonl", "--force")
+    assert result.exit_code == 2 and "are the same file" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_export_replaces_an_existing_file_only_with_force(runner, finished_job, tmp_path):
+    job_id, _ = finished_job
+    out, ok, err = tmp_path / "out.jsonl", tmp_path / "ok.jsonl", tmp_path / "err.jsonl"
+    for path in (out, err):
+        path.write_text("old\n")
+    openai = ["--format", "openai", "--output-file", ok, "--error-file", err]
+    for args in (["--export", out], openai):
+        result = export(runner, job_id, *args)
+        assert result.exit_code == 2 and "already exists: nothing was written (add --force" in result.stderr
+    assert out.read_text() == err.read_text() == "old\n" and not ok.exists()
+    assert export(runner, job_id, "--export", out, "--force").exit_code == 0
+    assert export(runner, job_id, *openai, "--force").exit_code == 0
+    assert exported_ids(out) == sorted(r["id"] for r in requests()) and exported_ids(err) == ["too-long"]
+    assert "--force" in runner.invoke(main, ["results", "--help"]).stdout
 
 
 @pytest.mark.parametrize("command", ["status", "results", "cancel"])
@@ -169,6 +287,59 @@ def test_cancel_a_queued_job_finishes_it_at_once(runner, data_root, tmp_path, Se
     assert JobPaths(data_root, job_id).stats_file.exists()
     result = runner.invoke(main, ["cancel", job_id])
     assert result.exit_code == 0, result.output  # cancelling twice is harmless
+
+
+def answered_ids(data_root, job_ids):
+    """Ids with a successful answer (stop or length) in each job's results, counted over all of them."""
+    return Counter(r["id"] for job_id in job_ids
+                   for r in read_results(JobPaths(data_root, job_id).results_dir).to_pylist()
+                   if r["finish_reason"] in ("stop", "length"))
+
+
+def test_retry_takes_every_unanswered_request_once(runner, data_root, tiny_model_dir, tmp_path, Session):
+    """A cancelled job with one answer of each kind: retry takes the failed, cancelled and
+    never run requests (--only-failed just the failed one), and never one taken before."""
+    from jobs.finalize import finalize_job
+    from jobs.ledger import claim_shard, commit_shard, request_cancel
+    from jobs.results import write_shard_tmp
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Say {i}", "max_tokens": 2} for i in "abcdef"])
+    job_id, _ = create_job_from_file(Session, data_root, src, model=str(tiny_model_dir),
+                                     engine_options={"model": str(tiny_model_dir), "kv_cache_gib": 0.05},
+                                     shard_size=2)
+    jp = JobPaths(data_root, job_id)
+    row = dict(output="x", prompt_tokens=1, output_tokens=1, cached_tokens=0, error=None, queue_s=0.0,
+               ttft_s=0.1, latency_s=0.1, attempt=1)
+    outcomes = {0: [("a", "stop"), ("b", "error")], 1: [("c", "length"), ("d", "cancelled")]}
+    with Session() as s:
+        for index in outcomes:
+            assert claim_shard(s, job_id, index, "test:1", 60, 1) == 1
+        assert request_cancel(s, job_id)  # shard 2 (e, f) was still queued: it never runs
+        for index, rows in outcomes.items():
+            write_shard_tmp([{**row, "id": i, "finish_reason": r, "shard": index} for i, r in rows],
+                            jp.tmp_result(index, 1))
+            assert commit_shard(s, job_id, index, 1, completed=1, failed=rows[1][1] == "error", prompt_tokens=2,
+                                output_tokens=2, tmp_path=jp.tmp_result(index, 1),
+                                final_path=jp.result_shard(index), status="cancelled" if index else "completed")
+    assert finalize_job(Session, data_root, job_id)
+
+    def retry(*args):
+        result = runner.invoke(main, ["retry", job_id, "--local", *args])
+        assert result.exit_code == 0, result.output
+        new_id = result.stdout.splitlines()[0]
+        ids = [json.loads(line)["id"] for p in sorted(JobPaths(data_root, new_id).input_dir.iterdir())
+               for line in p.read_text().splitlines()]
+        return new_id, ids
+
+    only_failed, ids = retry("--only-failed")
+    assert ids == ["b"]
+    rest, ids = retry()
+    assert ids == ["d", "e", "f"]  # b was taken by the first retry
+    result = runner.invoke(main, ["retry", job_id, "--local"])
+    assert result.exit_code == 1 and f"retried already, as {only_failed}, {rest}" in result.stderr
+    assert answered_ids(data_root, [job_id, only_failed, rest]) == Counter("abcdef")
+    with Session() as s:
+        assert [get_job(s, i).metadata_ for i in (only_failed, rest)] == [{"retry_of": job_id}] * 2
 
 
 def test_run_with_a_model_that_cannot_load_fails_the_job(runner, data_root, tmp_path, Session):

@@ -27,6 +27,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -96,6 +97,13 @@ class Cluster:
             cmd = [sys.executable, "-m", "celery", "-A", app, "worker", f"--pool={pool}", "--concurrency=1",
                    "--loglevel=info", "--without-gossip", "--without-mingle", "--without-heartbeat",
                    "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"]
+        return self._spawn(name, cmd, **env)
+
+    def start_cli(self, *args, **env) -> subprocess.Popen:
+        """A `pipeline` command (`run`, `resume`) as a subprocess, to be signalled; its log is kept."""
+        return self._spawn(f"{args[0]}{len(self.procs)}", [sys.executable, "-m", "pipeline.cli", *args], **env)
+
+    def _spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
         log_path = self.tmp_path / f"{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env={**self.env, **{k: str(v) for k, v in env.items()}}, cwd=REPO,
@@ -188,6 +196,16 @@ class Cluster:
         return next((group[:together] for group in by_pid.values() if len(group) >= together), None)
 
     # the invariant
+    def assert_answered_once(self, job_ids: list[str], expected_ids: list[str]) -> None:
+        """Each id has exactly one successful answer over the jobs' results (an original and its
+        retries), and appears at most once in each job."""
+        answered = Counter()
+        for job_id in job_ids:
+            rows = read_results(JobPaths(self.root, job_id).results_dir).to_pylist()
+            assert max(Counter(r["id"] for r in rows).values(), default=1) == 1, job_id
+            answered.update(r["id"] for r in rows if r["finish_reason"] in ("stop", "length"))
+        assert answered == Counter(expected_ids), {i: answered[i] for i in expected_ids if answered[i] != 1}
+
     def assert_exactly_once(self, job_id: str, expected_ids: list[str]):
         """Each id exactly once in the results dataset, exact ledger counts, empty _tmp."""
         jp = JobPaths(self.root, job_id)
@@ -430,10 +448,12 @@ def test_redis_restart_mid_job_loses_nothing(postgres_url, cluster_factory):
 
 # --- cancel mid-job ---------------------------------------------------------------------------
 
-def test_cancel_mid_job_stops_the_worker_promptly(sqlite_url, cluster_factory):
+def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlite_url, cluster_factory):
+    """One shard in flight: shard 0 completes, shard 1 is cancelled mid-generation, shard 2
+    never runs; `pipeline retry --wait` then runs every request without an answer once."""
     c = cluster_factory(sqlite_url)
     rows = warm_then_long("c", 4, 8, 500)  # long enough to still run when `pipeline cancel` lands
-    w = c.start_worker()
+    w = c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=1)
     job_id = c.submit(rows, shard_size=4)
     victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
     done = c.cli("cancel", job_id)
@@ -455,6 +475,98 @@ def test_cancel_mid_job_stops_the_worker_promptly(sqlite_url, cluster_factory):
         assert job_counts(s, job_id)["completed_requests"] == job.completed_requests
     assert not list(JobPaths(c.root, job_id).tmp_dir.glob("*"))
     assert w.poll() is None  # the worker is still there for other jobs
+    never_run = {r["id"] for r in rows} - set(counts)
+    assert never_run and shards[-1].status == "cancelled" and reasons["cancelled"] >= 1
+
+    done = c.cli("retry", job_id, "--wait")
+    assert done.returncode == 0, done.stderr + c.all_logs()
+    retry_id = check_job_id(done.stdout.strip())
+    reason = dict(zip(table["id"].to_pylist(), table["finish_reason"].to_pylist()))
+    unanswered = [r["id"] for r in rows if reason.get(r["id"], "never run") in ("cancelled", "never run")]
+    assert c.job(retry_id).status == "completed" and len(unanswered) == len(rows) - job.completed_requests
+    c.assert_exactly_once(retry_id, unanswered)
+    c.assert_answered_once([job_id, retry_id], [r["id"] for r in rows])
+
+
+# --- `pipeline run` stopped by a signal or killed, then retried or resumed ---------------------
+
+def start_run(c: Cluster, rows: list[dict]) -> tuple[subprocess.Popen, str]:
+    """A `pipeline run` subprocess of rows in shards of 4, one shard in flight (so that the
+    shards after the running one are still queued), and its job id once it is in the ledger."""
+    src = write_jsonl(c.tmp_path / "run.jsonl", rows)
+    proc = c.start_cli("run", str(src), "--model", str(c.model_dir), "--kv-cache-gib", "0.05", "--shard-size", "4",
+                       PIPELINE_SHARDS_IN_FLIGHT=1)
+
+    def job_id():
+        with c.Session() as s:
+            return next((job.id for job in list_jobs(s)), None)
+
+    return proc, c.wait_for("the run's job in the ledger", job_id)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_pipeline_run_stopped_by_a_signal_keeps_what_finished_then_retry_runs_the_rest(sig, code, sqlite_url,
+                                                                                      cluster_factory):
+    c = cluster_factory(sqlite_url)
+    rows = warm_then_long("s", 4, 12, 500)
+    run, job_id = start_run(c, rows)
+    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    run.send_signal(sig)
+    assert run.wait(timeout=60) == code, c.log(run)
+    log = c.log(run)
+    assert f"job {job_id} cancelled with" in log and f"`pipeline retry {job_id} --local` runs the rest" in log
+    assert "Traceback" not in log
+    assert c.job(job_id).status == "cancelled"
+    # what finished is kept: the warm shard, and the interrupted shard's rows (cancelled, not failed)
+    assert [sh.status for sh in c.shards(job_id)] == ["completed", "cancelled", "cancelled", "cancelled"]
+    table = read_results(JobPaths(c.root, job_id).results_dir)
+    assert sorted(set(table["shard"].to_pylist())) == [0, victim.index] == [0, 1] and table.num_rows == 8
+    done = c.cli("resume", job_id)  # a cancelled job is not resumed: retried
+    assert done.returncode == 1 and f"pipeline retry {job_id} --local" in done.stderr, done.stderr
+    done = c.cli("retry", job_id, "--local")
+    assert done.returncode == 0, done.stderr
+    retry_id = check_job_id(done.stdout.splitlines()[0])
+    c.assert_answered_once([job_id, retry_id], [r["id"] for r in rows])
+
+
+def test_pipeline_run_killed_is_resumed_in_place_leaving_a_live_workers_shard_to_it(sqlite_url, cluster_factory):
+    from sqlalchemy import update
+
+    from jobs.ledger import Shard, claim_shard, utcnow
+
+    c = cluster_factory(sqlite_url)
+    rows = warm_then_long("k", 4, 12, 500)
+    run, job_id = start_run(c, rows)
+    c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    run.kill()  # SIGKILL: no handler runs, the job stays in_progress with shard 1 leased
+    run.wait(timeout=30)
+    assert c.job(job_id).status == "in_progress"
+    assert [sh.status for sh in c.shards(job_id)] == ["completed", "running", "queued", "queued"]
+    done = c.cli("status", job_id)
+    assert done.returncode == 0 and f"pipeline resume {job_id}" in done.stdout, done.stdout
+    with c.Session() as s:  # a live worker takes shard 2 (its lease outlives the test's waits)
+        assert claim_shard(s, job_id, 2, "live-worker:1", 10 * WAIT_S, 3) == 1
+
+    resume = c.start_cli("resume", job_id)
+    c.wait_for("shards 1 and 3 finished by resume",
+               lambda: (resume.poll() is None or pytest.fail(f"resume ended early:\n{c.log(resume)}"))
+               and [sh.status for sh in c.shards(job_id)] == ["completed", "completed", "running", "completed"])
+    time.sleep(2)  # two of resume's polls: it must keep leaving shard 2 alone
+    held = c.shards(job_id)[2]
+    assert (held.status, held.attempt, held.worker) == ("running", 1, "live-worker:1") and resume.poll() is None
+    assert "shard 2 is held by live-worker:1" in c.log(resume)
+    with c.Session() as s:  # the live worker dies: pretend its lease ran out a minute ago
+        s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == 2)
+                  .values(lease_expires_at=utcnow() - timedelta(seconds=60)))
+        s.commit()
+    assert resume.wait(timeout=WAIT_S) == 0, c.log(resume)
+    job = c.job(job_id)
+    assert (job.status, job.completed_requests, job.failed_requests) == ("completed", len(rows), 0)
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    shards = c.shards(job_id)
+    assert (shards[0].attempt, shards[0].worker.rsplit(":", 1)[1]) == (1, str(run.pid))   # kept as committed
+    assert [sh.attempt for sh in shards[1:]] == [2, 2, 1]    # after the killed attempt, the live worker's, none
+    assert all(sh.worker.endswith(f":{resume.pid}") for sh in shards[1:])
 
 
 # --- several shards in flight in one worker -------------------------------------------------

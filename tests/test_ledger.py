@@ -12,8 +12,8 @@ from sqlalchemy import inspect, update
 from jobs.ledger import (
     Base, JobStatus, Shard, ShardStatus, claim_shard, commit_shard, create_job, ensure_schema,
     expired_shards, fail_shard, finish_job, get_job, get_shards, is_cancelling, job_as_dict,
-    job_counts, list_jobs, queued_shards, release_shard, renew_lease, request_cancel, try_finalize,
-    upgrade,
+    job_counts, list_jobs, queued_shards, release_shard, renew_lease, request_cancel, retries_of,
+    try_finalize, upgrade,
 )
 from jobs.paths import JobPaths, new_job_id
 from jobs.results import read_results, write_shard_tmp
@@ -88,6 +88,21 @@ def test_list_jobs_newest_first(ledger):
     with Session() as s:
         assert [j.id for j in list_jobs(s)] == ids[::-1]
         assert len(list_jobs(s, limit=2)) == 2
+
+
+def test_retries_of_finds_the_jobs_made_from_a_job(ledger):
+    _, Session = ledger
+    old, other = make_job(Session), make_job(Session)
+    retries = []
+    for of in (old, other, old):
+        retries.append(new_job_id())
+        with Session() as s:
+            create_job(s, job_id=retries[-1], model="m", engine_options={}, input_format="pipeline", endpoint=None,
+                       input_path="/in", results_path="/out", shard_size=1, shard_sizes=[1],
+                       metadata={"owner": "tests", "retry_of": of})
+    with Session() as s:
+        assert [j.id for j in retries_of(s, old)] == [retries[0], retries[2]]
+        assert [j.id for j in retries_of(s, other)] == [retries[1]] and retries_of(s, retries[0]) == []
 
 
 def test_claim_is_exclusive_while_the_lease_lives(ledger):

@@ -162,6 +162,23 @@ def test_every_bad_line_is_reported_with_its_number(tmp_path):
     assert validate(path).num_requests == 2
 
 
+def test_only_the_chat_formats_roles_are_accepted(tmp_path):
+    roles = ["system", "developer", "user", "assistant", "tool"]
+    good = [{"id": role, "messages": [{"role": role, "content": "x"}, {"role": "user", "content": "y"}]}
+            for role in roles]
+    path = write(tmp_path, [*good,
+                            {"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+                            {"messages": [{"role": "User", "content": "a"}]}])
+    v = validate(path)
+    assert v.num_requests == len(roles)
+    assert [(e.line, e.message) for e in v.errors] == [
+        (6, "messages[1].role must be one of system, developer, user, assistant, tool, got 'wizard'"),
+        (7, "messages[0].role must be one of system, developer, user, assistant, tool, got 'User'")]
+    batch = write(tmp_path, [batch_line("a", chat_body()),
+                             batch_line("b", chat_body(messages=[{"role": "wizard", "content": "hi"}]))], "b.jsonl")
+    assert [(e.line, "role must be one of" in e.message) for e in validate(batch).errors] == [(2, True)]
+
+
 def test_all_problems_of_a_line_are_reported_together(tmp_path):
     path = write(tmp_path, [{"prompt": "a", "max_tokens": 0, "temperature": -1, "extra": 1}])
     message = errors_by_line(path)[1]

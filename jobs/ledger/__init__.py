@@ -34,7 +34,7 @@ conditional UPDATE they all use). Callers import from `jobs.ledger` itself.
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
     create_job, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, list_jobs,
-    request_cancel, try_finalize,
+    request_cancel, retries_of, try_finalize,
 )
 from jobs.ledger.models import (
     INPUT_FORMATS, STATS_COLUMNS, Base, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
@@ -50,6 +50,6 @@ __all__ = [
     "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "ensure_schema",
     "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
     "job_counts", "list_jobs", "make_engine", "open_sessions", "queued_shards", "release_shard", "renew_lease",
-    "request_cancel", "retake_finalize", "session_factory", "stale_finalizing_jobs", "take_over_expired",
-    "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+    "request_cancel", "retake_finalize", "retries_of", "session_factory", "stale_finalizing_jobs",
+    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
 ]

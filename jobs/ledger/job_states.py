@@ -49,6 +49,15 @@ def list_jobs(s: Session, limit: int = 50) -> list[Job]:
     return jobs
 
 
+def retries_of(s: Session, job_id: str) -> list[Job]:
+    """The jobs made by retrying job_id (metadata {"retry_of": job_id}), oldest first."""
+    stmt = (select(Job).where(Job.metadata_["retry_of"].as_string() == job_id)
+            .order_by(Job.created_at, Job.id))
+    jobs = list(s.scalars(stmt.execution_options(populate_existing=True)))
+    s.commit()
+    return jobs
+
+
 def get_shards(s: Session, job_id: str) -> list[Shard]:
     stmt = select(Shard).where(Shard.job_id == job_id).order_by(Shard.index)
     shards = list(s.scalars(stmt.execution_options(populate_existing=True)))

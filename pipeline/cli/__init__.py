@@ -1,6 +1,6 @@
 """The `pipeline` command line: one click group over thin commands; heavy imports inside them.
 
-job_commands (submit, run, retry, cancel), query_commands (status, list, results),
+job_commands (submit, run, retry, resume, cancel), query_commands (status, list, results),
 ops_commands (worker, recover, db upgrade, bench), options (the settings and engine
 option bundles), render (what they print), errors (exit codes).
 """
@@ -21,14 +21,17 @@ def main():
       1  the job failed or was cancelled, or the operation failed
       2  bad usage: invalid input file (every bad line is listed), bad option, unknown job
       3  the broker (Redis) is unreachable
-      130  `pipeline run` was interrupted (Ctrl-C); its job is cancelled
+      130  `pipeline run`, `resume` or `retry --local` was interrupted (Ctrl-C): its job is
+           cancelled, what finished is kept (`pipeline retry JOB` runs the rest)
+      143  the same, stopped by SIGTERM
     """
     # Before any thread starts: the engine steps in a thread of its own (see host_memory).
     from pipeline.host_memory import use_one_malloc_arena
     use_one_malloc_arena()
 
 
-for command in (job_commands.submit_command, job_commands.run_command, job_commands.retry_command,
+for command in (job_commands.submit_command, job_commands.run_command, job_commands.resume_command,
+                job_commands.retry_command,
                 ops_commands.recover_command, query_commands.status_command, query_commands.list_command,
                 query_commands.results_command, job_commands.cancel_command, ops_commands.worker_command,
                 ops_commands.db_group, ops_commands.bench_command):

@@ -6,7 +6,8 @@ import click
 EXIT_JOB_NOT_COMPLETED = 1
 EXIT_USAGE = 2
 EXIT_BROKER = 3
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_TERMINATED = 143    # 128 + SIGTERM
 
 
 class Fail(click.ClickException):

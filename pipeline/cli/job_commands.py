@@ -1,4 +1,4 @@
-"""Commands that make or end jobs: submit, run, retry, cancel."""
+"""Commands that make or end jobs: submit, run, retry, resume, cancel."""
 from __future__ import annotations
 
 import time
@@ -6,20 +6,29 @@ import time
 import click
 
 from jobs.settings import Settings
-from jobs.states import JobStatus
+from jobs.states import JobStatus, ShardStatus
 from pipeline.cli import render
-from pipeline.cli.errors import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_USAGE, Fail
+from pipeline.cli.errors import (
+    EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_TERMINATED, EXIT_USAGE, Fail,
+)
 from pipeline.cli.options import engine_options, settings_options
 
 
+# FILE may be "-": standard input, read once into the job's own copy.
+INPUT_FILE = click.Path(exists=True, dir_okay=False, allow_dash=True)
+
+
 @click.command("submit")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url")
 def submit_command(file, engine_options, shard_size, wait, settings):
-    """Queue FILE as a job for the workers; prints only the job id on stdout."""
+    """Queue FILE as a job for the workers; prints only the job id on stdout.
+
+    FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    """
     check_broker(settings)  # before creating anything: no job may wait for a broker that is down
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
@@ -30,28 +39,40 @@ def submit_command(file, engine_options, shard_size, wait, settings):
 
 
 @click.command("run")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @settings_options("shards_in_flight")
 def run_command(file, engine_options, shard_size, settings):
-    """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default)."""
+    """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
+
+    FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    Ctrl-C or SIGTERM stops it at the next engine step: what finished is kept, the job is
+    cancelled (`pipeline retry JOB --local` runs the rest); a job whose process died
+    (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
+    """
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
-    _run_here(Session, settings, job_id, sizes, engine_options)
+    click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
+    _run_here(Session, settings, job_id, engine_options)
 
 
 @click.command("retry")
 @click.argument("job_id")
+@click.option("--only-failed", is_flag=True, help="Only the requests that failed (finish_reason error), not the "
+                                                  "cancelled or never run ones.")
 @click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
 @click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
 @click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url", "shards_in_flight")
-def retry_command(job_id, local, shard_size, wait, settings):
-    """Run the failed requests (finish_reason error) of an ended job again, as a new job.
+def retry_command(job_id, only_failed, local, shard_size, wait, settings):
+    """Run the requests of an ended job that have no answer again, as a new job.
 
-    The new job has the same request ids, parameters, model and engine options, and
-    metadata {"retry_of": JOB}; its id is printed on stdout.
+    Those are the failed ones (finish_reason error), the cancelled ones and the ones that
+    never ran (a cancelled or interrupted job). A request answered in JOB is never run
+    again, nor one an earlier retry of JOB took already (retry that job instead). The
+    new job has the same request ids, parameters, model and engine options, and metadata
+    {"retry_of": JOB}; its id is printed on stdout. Exit 1 if nothing is left to retry.
     """
     from jobs import ledger
     from jobs.submission import NothingToRetry, create_retry_job
@@ -63,7 +84,8 @@ def retry_command(job_id, local, shard_size, wait, settings):
     with Session() as s:
         get_job(s, job_id)
     try:
-        new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size)
+        new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size,
+                                         only_failed=only_failed)
     except NothingToRetry as e:
         raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
     except ValueError as e:
@@ -72,11 +94,44 @@ def retry_command(job_id, local, shard_size, wait, settings):
     if local:
         with Session() as s:
             options = ledger.get_job(s, new_id).engine_options
-        _run_here(Session, settings, new_id, sizes, options)
+        click.echo(f"job {new_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
+        _run_here(Session, settings, new_id, options)
         return
     _enqueue_or_abandon(Session, settings, new_id, sizes)
     if wait:
         _wait_until_completed(Session, new_id)
+
+
+@click.command("resume")
+@click.argument("job_id")
+@settings_options("shards_in_flight")
+def resume_command(job_id, settings):
+    """Finish an unfinished job here, in place: same job id, no broker or worker needed.
+
+    For a job whose `pipeline run` died (SIGKILL, power loss) or whose workers are gone.
+    Committed shards are kept; shards queued, or running under an expired lease, run
+    here, leased and fenced as on a worker. A shard that a live worker holds is left to
+    it and waited for (taken over here if its lease expires). Ctrl-C or SIGTERM cancel
+    the job, as for `pipeline run`. Exit 0 once the job has completed (also if it had).
+    """
+    from jobs import ledger
+
+    check_job_id(job_id)
+    Session = sessions(settings)
+    with Session() as s:
+        job = get_job(s, job_id)
+    if job.status == JobStatus.COMPLETED:
+        click.echo(f"job {job_id} has already completed: nothing to resume", err=True)
+        render.print_summary(job)
+        return
+    if job.status in JobStatus.terminal():
+        raise Fail(f"job {job_id} is {job.status}: nothing to resume; `pipeline retry {job_id} --local` runs "
+                   "its requests without an answer as a new job", EXIT_JOB_NOT_COMPLETED)
+    with Session() as s:
+        done = sum(sh.status in ShardStatus.terminal() for sh in ledger.get_shards(s, job_id))
+    click.echo(f"job {job_id}: resuming here, {done} of {job.num_shards} shard(s) already done "
+               f"({job.completed_requests + job.failed_requests} of {job.total_requests} requests)", err=True)
+    _run_here(Session, settings, job_id, job.engine_options)
 
 
 @click.command("cancel")
@@ -138,15 +193,20 @@ def check_broker(settings: Settings) -> None:
 
 def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int):
     from jobs.spec import InvalidInput
-    from jobs.submission import create_job_from_file
+    from jobs.submission import create_job_from_file, create_job_from_stream
     from pipeline.bundled import BUNDLED_NAME
 
+    options = dict(model=engine_options.get("model") or BUNDLED_NAME, engine_options=engine_options,
+                   shard_size=shard_size)
     try:
-        return create_job_from_file(Session, settings.data_dir, file, model=engine_options.get("model") or BUNDLED_NAME,
-                                    engine_options=engine_options, shard_size=shard_size)
+        if file == "-":
+            with click.open_file("-", "rb") as stdin:
+                return create_job_from_stream(Session, settings.data_dir, stdin, **options)
+        return create_job_from_file(Session, settings.data_dir, file, **options)
     except InvalidInput as e:
         v = e.validation
-        lines = [f"{file}: {v.num_errors} error(s), nothing was submitted:", *map(str, v.errors)]
+        name = "standard input" if file == "-" else file
+        lines = [f"{name}: {v.num_errors} error(s), nothing was submitted:", *map(str, v.errors)]
         if v.num_errors > len(v.errors):
             lines.append(f"... and {v.num_errors - len(v.errors)} more")
         raise Fail("\n".join(lines), EXIT_USAGE) from None
@@ -164,29 +224,54 @@ def _enqueue_or_abandon(Session, settings: Settings, job_id: str, sizes: list[in
         raise Fail(f"job {job_id} failed: enqueueing its shards failed: {e}", EXIT_BROKER) from None
 
 
-def _run_here(Session, settings: Settings, job_id: str, sizes: list[int], engine_options: dict) -> None:
-    """Run a created job's shards in this process, with a progress bar and a summary."""
+def _run_here(Session, settings: Settings, job_id: str, engine_options: dict) -> None:
+    """Run a job's shards in this process until it ends, with a progress bar and a summary.
+
+    Ctrl-C or SIGTERM stop it at the next engine step: the job is cancelled, what finished is kept.
+    """
+    from jobs import ledger
     from workers import local_run
 
     root = settings.data_dir
-    click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
+    with Session() as s:
+        job = ledger.get_job(s, job_id)
+    bar = render.Progress(job.total_requests)
     try:
-        with local_run.cancelled_on_interrupt(Session, root, job_id):
-            engines = local_run.start_engine(Session, root, job_id, engine_options)
-            try:
-                with render.Progress(sum(sizes)) as advance:
-                    job = local_run.run_shards(Session, root, job_id, len(sizes), engines,
-                                               shards_in_flight=settings.shards_in_flight,
-                                               on_result=lambda row: advance(row["finish_reason"]))
-            finally:
-                engines.close()   # the model and KV cache go now, not when the process ends
+        with local_run.sigterm_as_interrupt(), local_run.cancelled_on_interrupt(Session, root, job_id):
+            with bar as advance:
+                bar.set(job.completed_requests + job.failed_requests, job.failed_requests)
+                job = local_run.run_job(Session, root, job_id, engine_options,
+                                        shards_in_flight=settings.shards_in_flight, lease_s=settings.lease_s,
+                                        on_result=lambda row: advance(row["finish_reason"]),
+                                        on_wait=_WaitNotes(bar))
     except local_run.EngineDidNotStart as e:
         raise Fail(f"job {job_id} failed: {e}", EXIT_JOB_NOT_COMPLETED) from None
-    except KeyboardInterrupt:
-        raise Fail(f"interrupted: job {job_id} cancelled", EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as e:
+        with Session() as s:
+            job = ledger.get_job(s, job_id)
+        how, code = ("terminated (SIGTERM)", EXIT_TERMINATED) if isinstance(e, local_run.Terminated) else \
+            ("interrupted", EXIT_INTERRUPTED)
+        raise Fail(f"{how}: job {job_id} {job.status} with {job.completed_requests} of {job.total_requests} "
+                   f"requests answered; `pipeline retry {job_id} --local` runs the rest", code) from None
     render.print_summary(job)
     if job.status != JobStatus.COMPLETED:
         raise Fail(f"job {job_id} ended {job.status}", EXIT_JOB_NOT_COMPLETED)
+
+
+class _WaitNotes:
+    """run_job's on_wait: say once which shards are left to the live processes holding them."""
+
+    def __init__(self, bar: render.Progress):
+        self.bar, self.said = bar, None
+
+    def __call__(self, job, held) -> None:
+        self.bar.set(job.completed_requests + job.failed_requests, job.failed_requests)  # their commits
+        said = [(sh.index, sh.attempt) for sh in held]
+        if held and said != self.said:
+            self.bar.note("; ".join(f"shard {sh.index} is held by {sh.worker} (lease until "
+                                    f"{sh.lease_expires_at:%H:%M:%S} UTC)" for sh in held)
+                          + ": each is left to its holder, and taken over here if its lease expires")
+        self.said = said
 
 
 def _wait_until_completed(Session, job_id: str, poll_s: float = 1.0) -> None:

@@ -77,9 +77,15 @@ def db_upgrade_command(settings):
 @engine_options
 def bench_command(requests, engine_options):
     """Time a workload file through the engine; prints one JSON line."""
+    from jobs.atomic import describe_file_type
+    from jobs.spec import open_regular_file
     from pipeline.bench import run_bench
     from pipeline.config import EngineConfig
 
+    f, st = open_regular_file(requests)  # a FIFO or /dev/zero would hang the read
+    if f is None:
+        raise Fail(f"{requests} is {describe_file_type(st)}, not a regular file", EXIT_USAGE)
+    f.close()
     try:
         result = run_bench(requests, EngineConfig(**engine_options))
     except ValueError as e:  # a bad workload line

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli import render
+from pipeline.cli.errors import EXIT_USAGE, Fail
 from pipeline.cli.job_commands import check_job_id, get_job, sessions
 from pipeline.cli.options import settings_options
 
@@ -16,7 +17,7 @@ from pipeline.cli.options import settings_options
 @click.option("--json", "as_json", is_flag=True, help="Print the OpenAI Batch object (a list without JOB).")
 @settings_options()
 def status_command(job_id, as_json, settings):
-    """Show one job in detail, or all recent jobs."""
+    """Show one job in detail (and what to do next if it is stuck or has requests left), or all recent jobs."""
     from jobs import ledger
 
     if job_id:
@@ -25,11 +26,12 @@ def status_command(job_id, as_json, settings):
     with Session() as s:
         jobs = [get_job(s, job_id)] if job_id else ledger.list_jobs(s)
         counts = {job.id: ledger.job_counts(s, job.id) for job in jobs}
+        shards = ledger.get_shards(s, job_id) if job_id else []
     if as_json:
         objects = [render.batch(job, counts[job.id]) for job in jobs]
         click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
     elif job_id:
-        render.print_job(jobs[0], counts[job_id])
+        render.print_job(jobs[0], counts[job_id], render.next_step(jobs[0], shards, ledger.utcnow()))
     else:
         render.print_jobs(jobs)
 
@@ -53,9 +55,17 @@ def list_command(limit, settings):
 @click.option("--output-file", type=click.Path(dir_okay=False), help="openai format: the output file (or --export).")
 @click.option("--error-file", type=click.Path(dir_okay=False),
               help="openai format: the error file  [default: OUTPUT with .errors.jsonl]")
+@click.option("--force", is_flag=True, help="Replace export files that already exist (without it they are kept "
+                                            "and nothing is written).")
 @settings_options()
-def results_command(job_id, export, fmt, output_file, error_file, settings):
-    """Say where a job's Parquet results are, or export them as JSONL."""
+def results_command(job_id, export, fmt, output_file, error_file, force, settings):
+    """Say where a job's Parquet results are, or export them as JSONL.
+
+    An export is written whole or not at all (a reader never sees half a file); missing
+    directories are made. An existing file is replaced only with --force, and only if it
+    is a regular file: a device, a FIFO, a directory or a symbolic link is never replaced.
+    """
+    from jobs.atomic import TargetExists, TargetRefused
     from jobs.paths import JobPaths
 
     check_job_id(job_id)
@@ -69,11 +79,19 @@ def results_command(job_id, export, fmt, output_file, error_file, settings):
         if fmt == "openai" or error_file:
             raise click.UsageError("give --export or --output-file")
         render.print_where(job_id, results_dir)
-    elif fmt == "pipeline":
-        from jobs.results import export_jsonl
-        click.echo(f"{export_jsonl(results_dir, output_file)} rows written to {output_file}")
-    else:
-        _export_openai(job, results_dir, output_file, error_file or _errors_name(output_file))
+        return
+    try:
+        if fmt == "pipeline":
+            from jobs.results import export_jsonl
+            click.echo(f"{export_jsonl(results_dir, output_file, overwrite=force)} rows written to {output_file}")
+        else:
+            _export_openai(job, results_dir, output_file, error_file or _errors_name(output_file), force)
+    except TargetExists as e:
+        raise Fail(f"{e}: nothing was written (add --force to replace it)", EXIT_USAGE) from None
+    except TargetRefused as e:
+        raise Fail(f"{e}: nothing was written", EXIT_USAGE) from None
+    except OSError as e:  # e.g. a directory that cannot be made, no permission, a full disk
+        raise Fail(f"the export could not be written: {e.strerror or e}: {e.filename or output_file}") from None
 
 
 def _errors_name(output_file: str) -> str:
@@ -81,11 +99,12 @@ def _errors_name(output_file: str) -> str:
     return str(path.with_name(path.stem + ".errors.jsonl"))
 
 
-def _export_openai(job, results_dir: Path, output_file: str, error_file: str) -> None:
+def _export_openai(job, results_dir: Path, output_file: str, error_file: str, force: bool) -> None:
     from jobs.openai_format import PIPELINE_ENDPOINT, write_openai_files
     from jobs.results import iter_result_rows
 
     created = int((job.finished_at or job.created_at).timestamp())
     ok, failed = write_openai_files(iter_result_rows(results_dir), output_file, error_file,
-                                    endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created)
+                                    endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created,
+                                    overwrite=force)
     click.echo(f"{ok} responses written to {output_file}, {failed} errors to {error_file}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from jobs.states import JobStatus
+from jobs.states import JobStatus, ShardStatus
 from pipeline.request import FinishReason
 
 
@@ -37,6 +37,10 @@ class Progress:
         with self._lock:
             self.failed += n if finish_reason == FinishReason.ERROR else 0
             self.bar.update(self.task, advance=n, failed=self.failed)
+
+    def note(self, text: str) -> None:
+        """A line above the bar (not markup: worker names may hold brackets)."""
+        self.bar.console.print(text, markup=False, highlight=False)
 
     def set(self, done: int, failed: int) -> None:
         self.failed = failed
@@ -89,7 +93,23 @@ def print_jobs(jobs) -> None:
     Console().print(table)
 
 
-def print_job(job, counts: dict) -> None:
+def next_step(job, shards, now) -> str | None:
+    """What a user can do about a job that is not moving or has requests left, or None."""
+    if job.status not in JobStatus.terminal():
+        held = [sh for sh in shards if sh.status == ShardStatus.RUNNING and sh.lease_expires_at
+                and sh.lease_expires_at >= now]
+        if held:
+            return (f"{len(held)} shard(s) running ({', '.join(sorted({sh.worker for sh in held}))}); "
+                    f"`pipeline resume {job.id}` would run the others here")
+        return (f"no shard of it is running now; if no worker will take it (its `pipeline run` died, or no "
+                f"worker is left), `pipeline resume {job.id}` finishes it here, in place")
+    unanswered = job.total_requests - job.completed_requests
+    if unanswered and job.status != JobStatus.EXPIRED:
+        return f"{unanswered} request(s) without an answer: `pipeline retry {job.id}` runs them again as a new job"
+    return None
+
+
+def print_job(job, counts: dict, next_step: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -109,6 +129,8 @@ def print_job(job, counts: dict) -> None:
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+    if next_step:  # below the table, unwrapped, so that its command can be copied whole
+        click.echo(f"next: {next_step}")
 
 
 def print_where(job_id: str, results_dir: Path) -> None:
