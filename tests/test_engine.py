@@ -431,14 +431,22 @@ def test_invalid_engine_config(bad):
 
 # ---- quantization ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode, layer, weight_dtype", [("int8", "Linear8bitLt", torch.int8),
                                                        ("nf4", "Linear4bit", torch.uint8)])
-def test_quantized_tiny_model_generates(tiny_model_dir, mode, layer, weight_dtype):
-    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization=mode, num_kv_blocks=64))
+def test_quantized_tiny_model_generates(tiny_model_dir, mode, layer, weight_dtype, dtype):
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization=mode, num_kv_blocks=64,
+                                 dtype=str(dtype).removeprefix("torch.")))
+    # Right after construction, before any forward: quantized, in eval mode.
     for linear in (engine.model.model.layers[0].self_attn.qkv_proj, engine.model.model.layers[1].mlp.down_proj):
         assert type(linear).__name__ == layer
         assert linear.weight.dtype == weight_dtype          # really quantized, not just swapped
-    assert engine.model.lm_head.weight.dtype == torch.float32
+        assert not linear.training
+        if mode == "nf4":   # quantized from the model's own dtype, not via float16
+            assert linear.weight.quant_state.dtype == dtype and linear.compute_dtype == dtype
+        else:
+            assert linear.weight.SCB is not None and linear.weight.CB is not None
+    assert engine.model.lm_head.weight.dtype == dtype
     outs = run(engine, [Request("q", prompt_token_ids=PROMPT, params=greedy(8, ignore_eos=True)),
                         Request("r", prompt="Hello", params=sampled(1, max_tokens=5))])
     for out in outs.values():
