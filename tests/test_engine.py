@@ -162,6 +162,61 @@ def test_greedy_matches_hugging_face_on_tiny_model(batch32, hf_tiny, rid):
     assert outputs[rid].token_ids == ref
 
 
+HOST_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "__array__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts every way a tensor's value is read back to the host (each a device sync on
+    CUDA), per call site; on the CPU this is the discipline torch.cuda.set_sync_debug_mode
+    enforces on a GPU."""
+    counts: dict[str, int] = {}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return counts
+
+
+def test_a_step_reads_one_tensor_back_to_the_host(tiny_engine, host_reads):
+    """Greedy, unseeded and seeded random rows, a repetition penalty, top-k/top-p/min-p, in
+    decode-only and mixed prefill + decode steps: the model's forward reads nothing back, and
+    sampling returns all of the step's tokens in one transfer."""
+    rng = random.Random(5)
+    params = [greedy(6, ignore_eos=True), sampled(1, max_tokens=6), sampled(None, max_tokens=6),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                             max_tokens=6, ignore_eos=True),
+              greedy(6, ignore_eos=True, repetition_penalty=1.2)]
+    for i, p in enumerate(params):
+        tiny_engine.add_request(Request(f"h{i}", prompt_token_ids=random_prompt(rng, 5 + 40 * i), params=p))
+    run_model = tiny_engine.runner.run
+    forward_reads = []
+
+    def counted_run(batch):
+        before = sum(host_reads.values())
+        result = run_model(batch)
+        forward_reads.append(sum(host_reads.values()) - before)
+        return result
+
+    tiny_engine.runner.run = counted_run
+    try:
+        steps = 0
+        while tiny_engine.has_unfinished_requests:
+            host_reads.clear()
+            forward_reads.clear()
+            tiny_engine.step()
+            steps += 1
+            assert forward_reads == [0], host_reads
+            assert sum(host_reads.values()) <= 1, host_reads
+    finally:
+        del tiny_engine.runner.run
+    assert steps >= 6 and host_reads == {"tolist": 1}
+
+
 def test_repetition_penalty_matches_hugging_face(tiny_engine, hf_tiny):
     prompt = tiny_engine.tokenizer.encode(" ".join(f"word{j}" for j in range(7)) + " hello")
     plain = run(tiny_engine, [Request("p", prompt_token_ids=prompt, params=greedy(16, ignore_eos=True))])["p"]
