@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure each quantization mode on this machine: weight memory, throughput, quality.
 
-    python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16]
+    python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16] [--dtype float32]
 
 Quality is perplexity of the model on a fixed English text (teacher forcing through our
 own model code) and greedy agreement with float32: the share of greedy tokens, over a
@@ -75,12 +75,13 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", required=True)
     ap.add_argument("--n", type=int, default=16, help="requests of the workload to time")
+    ap.add_argument("--dtype", default="float32", help="compute dtype (the README's table: float32)")
     a = ap.parse_args()
     workload = read_workload(a.requests)[:a.n]
     reference = None
     # "none" twice: plain float32 weights, then MKL-packed (the CPU float32 default).
     for mode, packed in (("none", False), ("none", True), ("int8", False), ("nf4", False)):
-        engine = Engine(EngineConfig(model=a.model, quantization=mode, pack_weights=packed))
+        engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, quantization=mode, pack_weights=packed))
         ppl = perplexity(engine, TEXT)
         tokens = greedy(engine, 32)
         if reference is None:

@@ -9,8 +9,10 @@ each head's keys contiguously, so a gathered block is directly a batch of small
 matrices for bmm. Decoding attends block by block over exactly the blocks each
 sequence owns (no padding to the longest sequence) and combines the blocks with a
 per-sequence softmax, as flash-decoding does: on a CPU the memory traffic of
-gathering keys, not the arithmetic, is what costs. On a CPU in float32 the hand-written
-kernel in pipeline/kernels reads the blocks in place instead, without any gathered copy.
+gathering keys, not the arithmetic, is what costs. On a CPU in float32 or bfloat16 the
+hand-written kernel in pipeline/kernels reads the blocks in place instead, without any
+gathered copy. Every path keeps the softmax statistics in float32 and scales q before
+q.k (so float16 scores cannot overflow).
 """
 from __future__ import annotations
 
@@ -170,15 +172,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            decode_layout: DecodeLayout, scale: float) -> torch.Tensor:
-    layout = decode_layout.flat(k_cache.dtype)
+    # Scores, softmax and the weighted sum in float32 whatever the cache dtype: bf16 scores
+    # lose ~3 digits before the exponential, fp16 ones overflow. q is scaled before q.k.
+    layout = decode_layout.flat(torch.float32)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = k_cache.index_select(0, layout.block_ids)                   # [n, kv_heads, bs, head_dim]
-    values = v_cache.index_select(0, layout.block_ids)
+    keys = k_cache.index_select(0, layout.block_ids).float()           # [n, kv_heads, bs, head_dim]
+    values = v_cache.index_select(0, layout.block_ids).float()
     # Grouped-query attention without repeating K/V: queries as [.., kv_heads, group, head_dim].
-    q_blocks = q.view(num_seqs, num_kv_heads, group, head_dim).index_select(0, layout.owner)
-    scores = torch.matmul(q_blocks, keys.transpose(-1, -2)).mul_(scale)  # [n, kv_heads, group, bs]
+    q_blocks = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim).index_select(0, layout.owner)
+    scores = torch.matmul(q_blocks, keys.transpose(-1, -2))             # [n, kv_heads, group, bs]
     if layout.mask is not None:
         scores.add_(layout.mask)
     # Softmax across all blocks of a sequence: shift by the sequence's max, sum per sequence.
@@ -187,4 +191,4 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     denom = layout.per_seq(probs.sum(dim=-1), 0.0).sum(dim=1)
     partial = torch.matmul(probs, values)                              # [n, kv_heads, group, head_dim]
     out = layout.per_seq(partial, 0.0).sum(dim=1).div_(denom.unsqueeze(-1))
-    return out.view(num_seqs, num_heads, head_dim)
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)

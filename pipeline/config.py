@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "nf4")
 
@@ -14,7 +14,9 @@ class EngineConfig:
     SmolLM2-135M-Instruct. kv_cache_gib is the memory budget of the paged KV cache;
     the number of blocks is derived from it once, at start-up."""
     model: str | None = None
-    dtype: str = "float32"
+    # auto: the model's own dtype where the device computes it natively (CUDA; CPUs with
+    # AVX-512 BF16 or AMX), else float32; see device.py. float32 for exact comparisons.
+    dtype: str = "auto"
     device: str = "auto"              # auto: cuda when a GPU is visible, else cpu
     quantization: str = "none"
     kv_cache_gib: float = 1.0
@@ -23,9 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None    # None: the model's own context length
     num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
-    # CPU float32 without quantization: hold linear weights in MKL's packed layout, packed
-    # once at load (faster decode steps; MKL's packed form is about 3x the float32 weights,
-    # and is skipped when memory is short). See packed_linear.py.
+    # CPU without quantization: hold linear weights packed once at load, float32 in MKL's
+    # layout (about 3x the float32 weights; skipped when memory is short), bfloat16 in
+    # oneDNN's (the same size). Faster decode steps. See packed_linear.py.
     pack_weights: bool = True
     # Keep computed full KV blocks findable by their token prefix, so a prompt prefix
     # shared by many requests (a system prompt, few-shot examples) is computed once per

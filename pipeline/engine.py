@@ -10,11 +10,10 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import torch
-
 from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
 from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.device import resolve_device, resolve_dtype
 from pipeline.kv_cache import KVCache
 from pipeline.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.model_runner import ModelRunner
@@ -29,19 +28,14 @@ from pipeline.sequence import Sequence
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' requested but no CUDA GPU is available; use device 'cpu'")
-        self.device = torch.device(device)
-        dtype = getattr(torch, config.dtype)
+        self.device = resolve_device(config.device)
         self.model_dir = resolve_model_dir(config.model)
+        self.dtype = dtype = resolve_dtype(config.dtype, self.device, read_hf_config(self.model_dir))
         self.tokenizer = load_tokenizer(self.model_dir)
         model, args = load_model(self.model_dir, dtype, self.device)
         self.model = quantize(model, config.quantization, self.device, dtype)
         if config.pack_weights and config.quantization == "none":
-            pack_linear_layers(self.model)   # CPU float32 only; elsewhere it changes nothing
+            pack_linear_layers(self.model)   # CPU float32 and bfloat16; elsewhere it changes nothing
         self.eos_token_ids = self._eos_token_ids()
 
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(

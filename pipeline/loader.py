@@ -44,10 +44,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     arch = (hf_config.get("architectures") or ["?"])[0]
     cls = model_class(arch)
     args = LlamaArgs.from_hf_config(hf_config)
-    # Build without initialising weights (they are overwritten by the checkpoint).
+    # Build without initialising weights (they are overwritten by the checkpoint), and cast
+    # while still on the meta device: memory is allocated once, in the target dtype.
     with torch.device("meta"):
-        model = cls(args)
-    model = model.to_empty(device=device).to(dtype)
+        model = cls(args).to(dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
     model.model.rotary = RotaryEmbedding(args).to(device)  # float32 table, computed (not loaded)
     _load_weights(model, model_dir)

@@ -27,16 +27,20 @@ def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: t
 
 def _quantized_linear(bnb, linear: nn.Linear, mode: str, device, compute_dtype) -> nn.Module:
     has_bias = linear.bias is not None
-    weight = linear.weight.data.to(torch.float16 if device.type == "cuda" else torch.float32)
+    # bitsandbytes quantizes in Parameter.to(device), and Int8Params only from CPU data: built
+    # from a weight already on the GPU it would stay fp16 until the first forward. So quantize
+    # from a CPU copy, in the model's own dtype (nf4 keeps it as its quant_state.dtype).
+    weight = linear.weight.data.to("cpu", compute_dtype)
     if mode == "int8":
         # threshold=0 keeps every column in int8 (no fp16 outlier path): smallest and fastest.
         q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
-                                has_fp16_weights=False, threshold=0.0)
+                                has_fp16_weights=False, threshold=0.0, device="meta")
         q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     else:
         q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
-                              quant_type="nf4", compute_dtype=compute_dtype)
-        q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+                              quant_type="nf4", compute_dtype=compute_dtype, device="meta")
+        q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", module=q)
     if has_bias:
-        q.bias = nn.Parameter(linear.bias.data.to(compute_dtype), requires_grad=False)
-    return q.to(device)  # moving the parameters is what quantizes them
+        q.bias = nn.Parameter(linear.bias.data.to("cpu", compute_dtype), requires_grad=False)
+    # Moving the parameters is what quantizes them; a new module starts in training mode.
+    return q.to(device).eval()

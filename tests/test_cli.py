@@ -19,7 +19,7 @@ from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
 
-FAST = ["--kv-cache-gib", "0.05"]
+FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 
 
 def write_jsonl(path, rows):

@@ -14,7 +14,7 @@ from workers.engine_holder import EngineHolder
 
 @pytest.fixture
 def options(tiny_model_dir):
-    return {"model": str(tiny_model_dir), "num_kv_blocks": 64}
+    return {"model": str(tiny_model_dir), "num_kv_blocks": 64, "device": "cpu"}
 
 
 def generate_one(loop) -> int:

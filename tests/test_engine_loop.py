@@ -14,7 +14,7 @@ from test_engine import BIG_POOL, all_blocks_free, greedy, one_torch_thread, ran
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine(EngineConfig(model=str(tiny_model_dir), **BIG_POOL))
+    return Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), **BIG_POOL))
 
 
 @pytest.fixture

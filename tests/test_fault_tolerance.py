@@ -47,7 +47,7 @@ from worker_process import BROKER_URL, drop_queue
 REPO = Path(__file__).resolve().parent.parent
 LEASE_S = 3
 WAIT_S = 150  # the longest any one wait may take before the test fails (a loaded 2-core box)
-FAST = {"kv_cache_gib": 0.05}
+FAST = {"kv_cache_gib": 0.05, "device": "cpu"}
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def test_retry_local_runs_only_the_failed_requests_again(data_root, tiny_model_d
         {"id": "long-2", "prompt": "more " * 700, "max_tokens": 4},
     ])
     runner = CliRunner()
-    model = ["--model", str(tiny_model_dir), "--kv-cache-gib", "0.05"]
+    model = ["--model", str(tiny_model_dir), "--kv-cache-gib", "0.05", "--device", "cpu"]
     assert runner.invoke(main, ["run", str(src), *model, "--shard-size", "3"]).exit_code == 0
     engine = make_engine(url)
     Session = session_factory(engine)
@@ -714,7 +714,8 @@ def test_hostile_input_is_rejected_and_ids_never_become_paths(data_root, tmp_pat
         assert result.exit_code == 2 and "invalid job id" in result.output, (command, result.output)
     # a request id that looks like a path is just data
     ok = write_jsonl(tmp_path / "ok.jsonl", [{"id": "../../etc/passwd", "prompt": "Hi", "max_tokens": 2}])
-    result = runner.invoke(main, ["run", str(ok), "--model", str(tiny_model_dir), "--kv-cache-gib", "0.05"])
+    result = runner.invoke(main, ["run", str(ok), "--model", str(tiny_model_dir), "--kv-cache-gib", "0.05",
+                                  "--device", "cpu"])
     assert result.exit_code == 0, result.output
     files = {p.relative_to(data_root).as_posix() for p in data_root.rglob("*") if p.is_file()}
     assert all(f.startswith("jobs/job_") or f.startswith("ledger.sqlite") for f in files), files

@@ -1,6 +1,6 @@
-"""The C kernels (pipeline/kernels): decode attention over the paged KV cache and the
-fused residual-add RMSNorm, each against a plain PyTorch reference, and the fallback
-when no compiler is available."""
+"""The C kernels (pipeline/kernels): decode attention over the paged KV cache, the fused
+residual-add RMSNorm, rotary + KV write and SiLU-and-multiply, in float32 and bfloat16,
+each against a plain PyTorch reference, and the fallback when no compiler is available."""
 from __future__ import annotations
 
 import os
@@ -64,6 +64,60 @@ def test_decode_attention_matches_a_dense_reference(num_heads, num_kv_heads, hea
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+def test_bf16_decode_attention_matches_a_float32_reference(num_heads, num_kv_heads, head_dim):
+    """bf16 caches and queries, float32 arithmetic: as close to the float32 reference on the
+    same (bf16-rounded) inputs as one bf16 rounding of the output, and as close as the
+    PyTorch bf16 path."""
+    q, k_cache, v_cache, tables = random_paged_batch(num_heads, num_kv_heads, head_dim, 16, LENS)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    scale = head_dim ** -0.5
+    expected = dense_reference(q.float(), k_cache.float(), v_cache.float(), tables, LENS, scale)
+    layout = DecodeLayout.build(tables, LENS, 16, torch.device("cpu"))
+    fused = torch.cat([q, torch.randn(len(LENS), num_kv_heads, head_dim).bfloat16()], dim=1)
+    got = kernels.paged_decode_attention(fused[:, :num_heads], k_cache, v_cache,
+                                         layout.block_tables, layout.context_lens, scale)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-3)   # bf16's half ulp is 2**-9
+    torch_path = decode_attention_torch(q, k_cache, v_cache, layout, scale)
+    torch.testing.assert_close(torch_path.float(), expected, rtol=8e-3, atol=1e-3)
+
+
+def test_bf16_rounding_is_round_to_nearest_even_like_pytorch():
+    """The kernels' float32 -> bf16 narrowing (bf16.h) against PyTorch's, through the fused
+    residual add: exact ties (to even), overflow to infinity, NaN, tiny values."""
+    tie = 2.0 ** -8                       # half an ulp of bf16 at 1.0
+    residual = torch.tensor([1.0, 1.0, 1.0, 3e38, -3e38, float("nan"), 1e-38, 1.0, 0.0]).bfloat16()
+    x = torch.tensor([tie, 3 * tie, -tie / 2, 3e38, -3e38, 1.0, 1e-39, float("inf"), -0.0]).bfloat16()
+    expected = residual + x
+    got = residual.clone().view(1, -1)
+    kernels.add_rms_norm(x.view(1, -1), got, torch.ones(9).bfloat16(), 1e-5)
+    assert got.view(-1).view(torch.int16).tolist() == expected.view(torch.int16).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_bf16_add_rms_norm_matches_pytorch(rows):
+    torch.manual_seed(0)
+    x, residual, weight = (torch.randn(rows, 96).bfloat16(), torch.randn(rows, 96).bfloat16(),
+                           torch.randn(96).bfloat16())
+    expected_residual = residual + x                      # bf16 add: float32, rounded once
+    expected = F.rms_norm(expected_residual.float(), (96,), weight.float(), 1e-5)
+    out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)   # updated in place, exactly
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(kernels.add_rms_norm(x, None, weight, 1e-5).float(),
+                               F.rms_norm(x.float(), (96,), weight.float(), 1e-5), rtol=8e-3, atol=1e-5)
+
+
+def test_bf16_silu_and_mul_matches_pytorch():
+    gate = torch.cat([torch.linspace(-100, 100, 20_000), torch.randn(20_000) * 4]).view(-1, 400).bfloat16()
+    up = torch.randn_like(gate)
+    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.silu(gate.float()) * up.float(), rtol=8e-3, atol=1e-30)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 100])
 def test_add_rms_norm_matches_pytorch(rows):
     torch.manual_seed(0)
@@ -83,16 +137,17 @@ def test_silu_and_mul_matches_pytorch_over_the_float_range():
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
 
 
-def test_rotary_write_kv_matches_pytorch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_matches_pytorch(dtype):
     from pipeline.attention import cache_rows, write_kv
     from pipeline.models.llama import Rotation, apply_rotary
     heads, kv_heads, head_dim, block_size, tokens = 6, 2, 16, 4, 9
     torch.manual_seed(0)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     angles = torch.rand(tokens, head_dim // 2) * 6
     rotation = Rotation(angles.cos(), angles.sin())
     rows = cache_rows(torch.tensor([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size)
-    caches = [torch.zeros(4, kv_heads, block_size, head_dim) for _ in range(4)]
+    caches = [torch.zeros(4, kv_heads, block_size, head_dim, dtype=dtype) for _ in range(4)]
 
     view = qkv.clone().view(tokens, -1, head_dim)
     qk = apply_rotary(view[:, :heads + kv_heads], rotation.complex)
@@ -107,13 +162,17 @@ def test_rotary_write_kv_matches_pytorch():
     torch.testing.assert_close(caches[3], caches[1])
 
 
-def test_the_kernel_builds_here_and_serves_cpu_float32_only():
+def test_the_kernel_builds_here_and_serves_cpu_float32_and_bfloat16_only():
     """The test machine has a C compiler: the fast path must actually be the one tested."""
     q, k_cache = torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)
     assert kernels.can_run_paged_decode_attention(q, k_cache)
-    assert not kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache.bfloat16())
+    assert kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache.bfloat16())
+    assert not kernels.can_run_paged_decode_attention(q.half(), k_cache.half())
+    assert not kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache)
     assert not kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 60), torch.zeros(2, 2, 16, 60))
-    assert kernels.serves(q, k_cache) and not kernels.serves(q.bfloat16()) and not kernels.serves(torch.zeros(4, 8).t())
+    assert kernels.serves(q, k_cache) and kernels.serves(q.bfloat16(), k_cache.bfloat16())
+    assert not kernels.serves(q.half()) and not kernels.serves(q, k_cache.bfloat16())
+    assert not kernels.serves(torch.zeros(4, 8).t())
 
 
 def test_without_a_compiler_the_pytorch_path_is_used(tmp_path):

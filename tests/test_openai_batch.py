@@ -27,7 +27,7 @@ from pipeline.cli import main
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-FAST = ["--kv-cache-gib", "0.05"]
+FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 QUEUE = f"pipeline-test-openai-{uuid.uuid4().hex[:8]}"  # this module's own queue
 WAIT_S = 180
 MAX_TOKENS = 16

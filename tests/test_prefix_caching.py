@@ -15,12 +15,12 @@ BLOCK = BIG_POOL["block_size"]
 
 @pytest.fixture(scope="module")
 def cached_engine(tiny_model_dir):
-    return Engine(EngineConfig(model=str(tiny_model_dir), enable_prefix_caching=True, **BIG_POOL))
+    return Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), enable_prefix_caching=True, **BIG_POOL))
 
 
 @pytest.fixture(scope="module")
 def plain_engine(tiny_model_dir):
-    return Engine(EngineConfig(model=str(tiny_model_dir), enable_prefix_caching=False, **BIG_POOL))
+    return Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), enable_prefix_caching=False, **BIG_POOL))
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_seeded_sampling_is_the_same_with_and_without_caching(cold, plain_engine
 def test_tiny_pool_evicts_and_preempts_and_still_matches(tiny_model_dir, plain_engine):
     """24 blocks of 4 tokens: cached blocks get evicted, sequences preempted (and hit
     their own blocks again when recomputed), and the tokens stay those of the big pool."""
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=24, block_size=4,
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=24, block_size=4,
                                  max_num_batched_tokens=64, max_num_seqs=64, enable_prefix_caching=True))
     rng = random.Random(7)
     prefixes = [random_prompt(rng, n) for n in (9, 17, 30)]

@@ -98,7 +98,7 @@ def test_sampling_follows_the_filtered_distribution():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -1.0, 1.5, -2.0, 0.5]])
     seq = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0], output=[1])
-    Sampler._apply_repetition_penalty(logits, [seq])
+    Sampler(CPU, seed=0)._apply_repetition_penalty(logits, [seq])
     assert logits.tolist() == [[1.0, -2.0, 1.5, -2.0, 0.5]]
 
 

@@ -24,7 +24,7 @@ def engines():
 
 @pytest.fixture
 def options(tiny_model_dir):
-    return {"model": str(tiny_model_dir), "kv_cache_gib": 0.05}
+    return {"model": str(tiny_model_dir), "kv_cache_gib": 0.05, "device": "cpu"}
 
 
 def submit(Session, root, tmp_path, rows, options, shard_size=100):

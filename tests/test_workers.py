@@ -56,7 +56,7 @@ def test_worker_runs_every_shard(db_url, data_root, tmp_path, tiny_model_dir):
     env = pipeline_env(data_root, db_url)
     with worker(env, tmp_path / "worker.log"):
         job_id = submit_and_wait(env, src, "--model", str(tiny_model_dir), "--shard-size", "4",
-                                 "--kv-cache-gib", "0.05")
+                                 "--kv-cache-gib", "0.05", "--device", "cpu")
     job, shards = ledger_state(db_url, job_id)
     assert (job.status, job.total_requests, job.completed_requests, job.failed_requests) == ("completed", 12, 12, 0)
     assert [(sh.status, sh.num_requests, sh.completed_requests) for sh in shards] == [("completed", 4, 4)] * 3

@@ -57,7 +57,10 @@ def settings_options(*names: str):
 # bool's on/off pair (e.g. "--prefix-caching/--no-prefix-caching").
 _ENGINE_OPTIONS = {
     "model": dict(metavar="DIR", help="Hugging Face model directory  [default: bundled SmolLM2-135M-Instruct]"),
-    "dtype": dict(type=click.Choice(DTYPES)),
+    "dtype": dict(type=click.Choice(DTYPES),
+                  help="auto: the model's own dtype where the device computes it natively (CUDA; a CPU "
+                       "with AVX-512 BF16 or AMX), else float32. float32 for exact comparisons.  "
+                       "[default: auto]"),
     "device": dict(type=click.Choice(DEVICES)),
     "quantization": dict(type=click.Choice(QUANTIZATIONS)),
     "kv_cache_gib": dict(help="Memory budget of the KV cache."),
@@ -69,8 +72,9 @@ _ENGINE_OPTIONS = {
     "enable_prefix_caching": dict(flag="--prefix-caching/--no-prefix-caching",
                                   help="Compute a prompt prefix (system prompt, few-shot examples) once and "
                                        "reuse its KV cache across requests, shards and jobs  [default: on]"),
-    "pack_weights": dict(help="CPU float32: keep weights in MKL's packed layout (faster decode steps, "
-                              "about 3x the float32 weight memory)  [default: on]"),
+    "pack_weights": dict(help="CPU: keep weights packed once at load, float32 in MKL's layout (about 3x "
+                              "the float32 weight memory), bfloat16 in oneDNN's (no extra memory): faster "
+                              "decode steps  [default: on]"),
 }
 _SCALARS = {"str": str, "int": int, "float": float}
 

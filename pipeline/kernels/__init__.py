@@ -11,8 +11,10 @@ under `cache_root()/kernels`, keyed by the source, the compiler and the CPU, bec
 is built for this CPU (-march=native). Linking OpenMP by its usual soname makes the
 kernel join the OpenMP runtime PyTorch has already loaded, so both use the same threads.
 
-Where no compiler works, `available()` is False and callers take their PyTorch path;
-`PIPELINE_CPU_KERNELS=0` forces that path. They serve float32 CPU tensors only.
+Each has a float32 and a bfloat16 variant; the bf16 ones compute in float32 and round
+once per output (bf16.h). Where no compiler works, `available()` is False and callers
+take their PyTorch path; `PIPELINE_CPU_KERNELS=0` forces that path. They serve float32
+and bfloat16 CPU tensors only.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c", "silu_and_mul.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Tried in order: the fastest build first, then ones that more compilers accept.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], ["-O3", "-fopenmp"], ["-O3"])
 
@@ -53,7 +57,7 @@ def _cpu_fingerprint() -> str:
 
 def _build(compiler: str) -> Path | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), compiler, version,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), compiler, version,
                                     _cpu_fingerprint(), platform.machine()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"pipeline-kernels-{key}.so"
     if target.exists():
@@ -89,16 +93,26 @@ def _load():
     except OSError as e:
         log.warning("could not build or load the CPU kernels (%s): using the slower PyTorch path", e)
         return None
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
-                                           + [ctypes.c_int] * 6 + [ctypes.c_float])
-    lib.rotary_write_kv.restype = None
-    lib.rotary_write_kv.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 3
-    lib.silu_and_mul.restype = None
-    lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.add_rms_norm.restype = None
-    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    for suffix in ("", "_bf16"):
+        attention = getattr(lib, "paged_decode_attention" + suffix)
+        attention.restype = ctypes.c_int
+        attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
+                              + [ctypes.c_int] * 6 + [ctypes.c_float])
+        rotary = getattr(lib, "rotary_write_kv" + suffix)
+        rotary.restype = None
+        rotary.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 3
+        silu = getattr(lib, "silu_and_mul" + suffix)
+        silu.restype = None
+        silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        norm = getattr(lib, "add_rms_norm" + suffix)
+        norm.restype = None
+        norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     return lib
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    """The C function for this dtype: float32 `name`, bfloat16 `name_bf16`."""
+    return getattr(_load(), name if dtype == torch.float32 else name + "_bf16")
 
 
 def available() -> bool:
@@ -106,9 +120,13 @@ def available() -> bool:
 
 
 def serves(*tensors: torch.Tensor) -> bool:
-    """True when the kernels are built and every tensor is contiguous float32 on the CPU."""
+    """True when the kernels are built and the tensors are contiguous, on the CPU, and all
+    float32 or all bfloat16."""
+    dtype = tensors[0].dtype
+    if dtype not in KERNEL_DTYPES:
+        return False
     for t in tensors:
-        if not t.is_cpu or t.dtype != torch.float32 or not t.is_contiguous():
+        if not t.is_cpu or t.dtype != dtype or not t.is_contiguous():
             return False
     return _load() is not None
 
@@ -118,7 +136,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """rmsnorm(x) * weight; with a residual, residual += x first (in place) and that is normed."""
     dim = x.shape[-1]
     out = torch.empty_like(x)
-    _load().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+    assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    _kernel("add_rms_norm", x.dtype)(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                          out.data_ptr(), x.numel() // dim, dim, eps)
     return out
 
@@ -127,27 +146,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [tokens, 2 * inter] (gate first) -> silu(gate) * up [tokens, inter]."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    _load().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    _kernel("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
 
 
 def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_rows: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
     """Rotate q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by cos/sin
-    [tokens, head_dim/2] and store k and v at cache_rows [tokens * kv_heads] (int64) of the
-    layer caches [blocks, kv_heads, block_size, head_dim]."""
+    [tokens, head_dim/2] (float32) and store k and v at cache_rows [tokens * kv_heads] (int64)
+    of the layer caches [blocks, kv_heads, block_size, head_dim] (qkv's dtype)."""
     head_dim = k_cache.shape[-1]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and cos.shape == sin.shape
     assert cache_rows.dtype == torch.int64 and cache_rows.numel() == qkv.shape[0] * num_kv_heads
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-    _load().rotary_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(),
+    assert cos.dtype == sin.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == qkv.dtype
+    _kernel("rotary_write_kv", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(),
                             k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
                             head_dim)
 
 
 def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """float32 on the CPU, head_dim a multiple of 8, and the kernel built."""
-    return (q.is_cpu and q.dtype == k_cache.dtype == torch.float32
+    """float32 or bfloat16 on the CPU, head_dim a multiple of 8, and the kernel built."""
+    return (q.is_cpu and q.dtype == k_cache.dtype and q.dtype in KERNEL_DTYPES
             and q.shape[-1] % 8 == 0 and available())
 
 
@@ -167,7 +187,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.is_contiguous() and out.shape == q.shape
-    status = _load().paged_decode_attention(
+    assert v_cache.dtype == k_cache.dtype == q.dtype == out.dtype
+    status = _kernel("paged_decode_attention", q.dtype)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], scale)

@@ -1,4 +1,4 @@
-/* Rotary embedding and the KV-cache write, fused, on the CPU in float32.
+/* Rotary embedding and the KV-cache write, fused, on the CPU in float32 or bfloat16.
  *
  * After the fused q|k|v projection, PyTorch needs about a dozen small operations per
  * layer to rotate queries and keys and scatter the new keys and values into the paged
@@ -13,6 +13,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 
 void rotary_write_kv(float *qkv, const float *cos, const float *sin, const int64_t *cache_rows,
                      float *k_cache, float *v_cache, int64_t tokens, int heads, int kv_heads,
@@ -36,6 +38,34 @@ void rotary_write_kv(float *qkv, const float *cos, const float *sin, const int64
             int64_t dst = cache_rows[t * kv_heads + h] * head_dim;
             memcpy(k_cache + dst, k + (int64_t)h * head_dim, sizeof(float) * head_dim);
             memcpy(v_cache + dst, v + (int64_t)h * head_dim, sizeof(float) * head_dim);
+        }
+    }
+}
+
+/* The same in bfloat16 (qkv and the caches; cos and sin stay float32), each rotated
+ * value computed in float32 and rounded once, as the PyTorch path does. */
+void rotary_write_kv_bf16(bf16 *qkv, const float *cos, const float *sin, const int64_t *cache_rows,
+                          bf16 *k_cache, bf16 *v_cache, int64_t tokens, int heads, int kv_heads,
+                          int head_dim) {
+    const int half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel for if (tokens > 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        bf16 *row = qkv + t * width;
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int h = 0; h < heads + kv_heads; h++) {
+            bf16 *x = row + (int64_t)h * head_dim;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float a = bf16_to_float(x[2 * i]), b = bf16_to_float(x[2 * i + 1]);
+                x[2 * i] = float_to_bf16(a * c[i] - b * s[i]);
+                x[2 * i + 1] = float_to_bf16(a * s[i] + b * c[i]);
+            }
+        }
+        const bf16 *k = row + (int64_t)heads * head_dim, *v = k + (int64_t)kv_heads * head_dim;
+        for (int h = 0; h < kv_heads; h++) {
+            int64_t dst = cache_rows[t * kv_heads + h] * head_dim;
+            memcpy(k_cache + dst, k + (int64_t)h * head_dim, sizeof(bf16) * head_dim);
+            memcpy(v_cache + dst, v + (int64_t)h * head_dim, sizeof(bf16) * head_dim);
         }
     }
 }

@@ -1,4 +1,4 @@
-/* SiLU-and-multiply of the fused gate|up projection, on the CPU in float32.
+/* SiLU-and-multiply of the fused gate|up projection, on the CPU in float32 or bfloat16.
  *
  * PyTorch takes two passes (silu, then the product) over a strided half of the
  * projection; this is one. expf from libm does not vectorise without -ffast-math, so
@@ -8,6 +8,8 @@
  *   gate_up  [rows, 2 * inter], the gate first;  out  [rows, inter] = silu(gate) * up
  */
 #include <stdint.h>
+
+#include "bf16.h"
 
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
@@ -34,5 +36,20 @@ void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t inter)
         float *restrict o = out + r * inter;
 #pragma omp simd
         for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    }
+}
+
+/* The same in bfloat16, computed in float32 and rounded once. */
+void silu_and_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *restrict g = gate_up + r * 2 * inter;
+        const bf16 *restrict u = g + inter;
+        bf16 *restrict o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = bf16_to_float(g[i]);
+            o[i] = float_to_bf16(x / (1.0f + exp_approx(-x)) * bf16_to_float(u[i]));
+        }
     }
 }

@@ -181,7 +181,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        if self.q_norm is None and kernels.serves(qkv, rotation.cos, self.k_cache):
+        if self.q_norm is None and kernels.serves(qkv, self.k_cache) and kernels.serves(rotation.cos):
             # One C pass: rotate q and k in place, store k and v in the cache.
             kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, self.k_cache,
                                     self.v_cache, self.num_heads, self.num_kv_heads)
