@@ -36,6 +36,8 @@ class Settings:
     # starts once the batch has room): while one drains, the next already runs, so the
     # batch never runs dry at a shard boundary, and small shards fill it together.
     shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 8)
+    # Port of the Prometheus endpoint of a worker or `pipeline run` (0: none).
+    metrics_port: int = _setting("PIPELINE_METRICS_PORT", 0)
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here

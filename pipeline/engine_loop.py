@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from pipeline.request import Request, RequestOutput
@@ -36,8 +37,12 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine):
+    def __init__(self, engine, observer: Callable[[object, float | None], None] | None = None):
+        """observer(engine, step_s), if given, is called in the loop thread at the start of
+        each round: after the last round's step or aborts, where nothing else touches the
+        engine (metrics read it there), with the seconds that step took (None: no step)."""
         self.engine = engine
+        self._observer = observer
         self.lookahead = engine.lookahead   # requests a stream keeps in the engine
         self._keys = itertools.count()
         self._wake = threading.Condition()
@@ -140,7 +145,11 @@ class EngineLoop:
 
     def _serve(self) -> None:
         engine = self.engine
+        step_s = None
         while True:
+            if self._observer is not None:
+                self._observer(engine, step_s)
+                step_s = None
             with self._wake:
                 while not (self._closed or self._inbox or self._aborts or engine.has_unfinished_requests):
                     self._wake.wait()
@@ -166,11 +175,13 @@ class EngineLoop:
                     self._deliver(stream, error)
             if not engine.has_unfinished_requests:
                 continue
+            started = time.perf_counter()
             try:
                 finished = engine.step()
             except BaseException as e:   # the engine dropped all its requests: tell their owners
                 self._fail_all(e)
                 continue
+            step_s = time.perf_counter() - started
             for out in finished:
                 stream = self._streams_by_internal_id(out.id)
                 if stream is not None:

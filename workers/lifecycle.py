@@ -10,17 +10,24 @@ None of them builds an engine:
   re-enqueues it once its lease expires — delayed, never lost;
 * worker_process_init (prefork child): drop the parent's ledger connections, and take
   SIGUSR2 as the shutdown request.
+
+And the metrics (workers.metrics): celeryd_init names the process's series after the
+worker's node; worker_init (main process) serves /metrics on PIPELINE_METRICS_PORT;
+worker_process_shutdown (prefork child) takes its live gauges away.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
 from celery import signals
 
-from workers import recovery
+from workers import metrics, recovery
 from workers.app import settings
 from workers.shard_runner import request_shutdown
+
+log = logging.getLogger(__name__)
 
 
 @signals.worker_ready.connect
@@ -45,3 +52,32 @@ def _release_running_shards(sig=None, how=None, **_):
 def _init_child(**_):
     recovery.forget_pool_after_fork()
     signal.signal(signal.SIGUSR2, lambda *_: request_shutdown())
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+@signals.celeryd_init.connect
+def _name_series(sender=None, **_):
+    if sender:
+        metrics.set_worker(sender)
+
+
+@signals.worker_init.connect
+def _serve_metrics(sender=None, **_):
+    port = settings().metrics_port
+    if not port:
+        return
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool as Prefork
+    prefork = issubclass(get_implementation(sender.pool_cls), Prefork)
+    if prefork and not metrics.is_multiprocess():
+        # The children's values would never reach the parent's endpoint.
+        log.error("metrics: a prefork worker needs PROMETHEUS_MULTIPROC_DIR (an empty directory) set before "
+                  "it starts (`pipeline worker --concurrency N` sets it); not serving metrics")
+        return
+    metrics.serve(port)   # a no-op when `pipeline worker` already serves them
+
+
+@signals.worker_process_shutdown.connect
+def _drop_live_gauges(pid=None, **_):
+    metrics.mark_process_dead(pid or os.getpid())

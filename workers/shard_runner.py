@@ -3,6 +3,7 @@
 Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
 comes from `engine_provider(options)` (a context manager holding the process's engine
 for the shard: workers.engine_holder), so importing this module imports no torch either.
+What a shard commits is counted in workers.metrics.
 Several shards may run at once in one process (threads): each is leased, generated and
 committed on its own, and their requests share the engine's batches.
 
@@ -32,6 +33,7 @@ from jobs.shards import read_shard
 from jobs.spec import RequestSpec
 from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampling_params import SamplingParams
+from workers import metrics
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def shutting_down() -> bool:
     return _shutdown.is_set()
 
 
+@metrics.runs_shards
 def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
     engine_provider: Callable[[dict], AbstractContextManager], worker_name: str, lease_s: float = 60,
@@ -114,6 +117,7 @@ def run_shard(
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
         if not _commit(Session, paths, job_id, index, attempt, rows, status):
             return ShardOutcome.LOST
+        metrics.count_results(rows, job.model)
     finally:
         lease.stop()
     finalize_job(Session, root, job_id)

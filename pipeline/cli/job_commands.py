@@ -33,9 +33,10 @@ def submit_command(file, engine_options, shard_size, wait, settings):
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
-@settings_options("shards_in_flight")
+@settings_options("shards_in_flight", "metrics_port")
 def run_command(file, engine_options, shard_size, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default)."""
+    serve_metrics(settings)
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
     _run_here(Session, settings, job_id, sizes, engine_options)
@@ -57,7 +58,9 @@ def retry_command(job_id, local, shard_size, wait, settings):
     from jobs.submission import NothingToRetry, create_retry_job
 
     check_job_id(job_id)
-    if not local:
+    if local:
+        serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
+    else:
         check_broker(settings)
     Session = sessions(settings)
     with Session() as s:
@@ -125,6 +128,18 @@ def get_job(s, job_id: str):
     if job is None:
         raise Fail(f"unknown job {job_id!r} (see `pipeline list`)", EXIT_USAGE)
     return job
+
+
+def serve_metrics(settings: Settings) -> None:
+    """The Prometheus endpoint on settings.metrics_port, if set, for as long as this process runs."""
+    if not settings.metrics_port:
+        return
+    from workers import metrics
+
+    try:
+        metrics.serve(settings.metrics_port)
+    except OSError as e:
+        raise Fail(f"cannot serve metrics on port {settings.metrics_port}: {e}", EXIT_USAGE) from None
 
 
 def check_broker(settings: Settings) -> None:

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 import click
 
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from pipeline.cli.job_commands import check_broker
+from pipeline.cli.job_commands import check_broker, serve_metrics
 from pipeline.cli.options import engine_options, settings_options
 
 
@@ -15,13 +20,16 @@ from pipeline.cli.options import engine_options, settings_options
               help="Engine processes (prefork), each running one shard at a time; 1 (the default) "
                    "runs one engine in this process with --shards-in-flight shards sharing it.")
 @click.option("--loglevel", default="info", show_default=True)
-@settings_options("broker_url", "shards_in_flight")
+@settings_options("broker_url", "shards_in_flight", "metrics_port")
 def worker_command(concurrency, loglevel, settings):
     """Start a Celery worker that runs shards (the engine is built on its first shard).
 
     With one process, its shards in flight are Celery threads that feed one engine, so
     the next shard's requests run beside the last requests of the one finishing.
     """
+    made_dir = None
+    if concurrency > 1 and settings.metrics_port:
+        made_dir = _metrics_across_processes()   # before anything imports prometheus_client
     from workers.app import app, configure
 
     configure(settings)  # prefork children inherit it
@@ -34,9 +42,30 @@ def worker_command(concurrency, loglevel, settings):
         pool, slots = "threads", settings.shards_in_flight
     else:
         pool, slots = "solo", 1
+    serve_metrics(settings)
     # Workers share nothing but the ledger: no need for gossip, mingle or event heartbeats.
-    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    try:
+        app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
+                         "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    finally:
+        if made_dir is not None:
+            shutil.rmtree(made_dir, ignore_errors=True)
+
+
+def _metrics_across_processes() -> Path | None:
+    """prometheus_client's multiprocess mode for this worker and the children it forks: each
+    process writes its values to files in PROMETHEUS_MULTIPROC_DIR (a new temporary directory
+    unless it is set), which the parent's endpoint adds up. Left-over files of an earlier run
+    are removed: their values would count twice. Returns the directory if it made one."""
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before its multiprocess mode was chosen")
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = Path(given or tempfile.mkdtemp(prefix="pipeline-metrics-"))
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return None if given else path
 
 
 @click.command("recover")

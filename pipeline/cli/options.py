@@ -26,6 +26,8 @@ _SETTING_OPTIONS = {
     "shards_in_flight": dict(decls=("--shards-in-flight",), type=click.IntRange(min=1), show_default=True,
                              help="Most shards one engine runs at once, sharing its batches (each starts "
                                   "once the batch has room), so that it never runs dry between shards."),
+    "metrics_port": dict(decls=("--metrics-port",), type=click.IntRange(0, 65535), metavar="PORT",
+                         help="Serve Prometheus metrics at http://<host>:PORT/metrics while it runs  [default: off]"),
     "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }

@@ -1,0 +1,248 @@
+"""Monitoring with real parts: a prefork worker's one /metrics endpoint for all its children,
+checked against the ledger and the Parquet results; in-process, what run_shard, the engine
+loop and the reaper count, and `pipeline run --metrics-port`."""
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobs.ledger import claim_shard, get_job, make_engine, session_factory
+from jobs.submission import create_job_from_file
+from pipeline import Engine, EngineConfig, Request
+from pipeline.cli import main
+from pipeline.engine_loop import EngineLoop
+from test_engine import greedy, random_prompt
+from test_fault_tolerance import (  # noqa: F401  (fixtures)
+    WAIT_S, cluster_factory, sqlite_url, write_jsonl,
+)
+from test_shard_runner import (  # noqa: F401  (fixtures)
+    another_worker_takes_over, cancel, engines, options, run_with_a_quick_request_first, submit,
+)
+from workers import metrics
+from workers.shard_runner import run_shard
+
+HOST = socket.gethostname()   # the worker label of this process's series
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def get(url: str, timeout: float = 10) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def wait_until(what: str, predicate, timeout: float = WAIT_S, poll_s: float = 0.5, logs_of=None):
+    """predicate()'s first truthy value; errors while waiting (a server not up yet) are retried."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, ValueError, KeyError) as e:
+            last = e
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last!r})"
+                         + (f"\n{logs_of.all_logs()}" if logs_of is not None else ""))
+
+
+def scrape(port: int) -> list:
+    """Every sample of a /metrics endpoint, parsed by prometheus_client's own parser."""
+    text = get(f"http://127.0.0.1:{port}/metrics").decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def value(samples, name: str, **labels) -> float:
+    """The sum of the samples called name whose labels include these."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def in_process(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def expected_from_results(job, table) -> dict:
+    """What a worker's counters must say after this job alone: from the ledger and the Parquet rows."""
+    rows = table.to_pylist()
+    ran = [r for r in rows if r["ttft_s"] is not None]
+    assert sum(r["output_tokens"] for r in rows) == job.output_tokens
+    return {"generated": job.output_tokens, "prompt": job.prompt_tokens, "cached": job.cached_tokens,
+            "reasons": Counter(r["finish_reason"] for r in rows), "ran": len(ran),
+            "latency_sum": sum(r["latency_s"] for r in ran)}
+
+
+def check_worker_counters(samples, job, table, num_shards: int) -> None:
+    want = expected_from_results(job, table)
+    assert value(samples, "pipeline_generated_tokens_total") == want["generated"] > 0
+    assert value(samples, "pipeline_prompt_tokens_total") == want["prompt"]
+    assert value(samples, "pipeline_cached_prompt_tokens_total") == want["cached"]
+    for reason, n in want["reasons"].items():
+        assert value(samples, "pipeline_requests_total", finish_reason=reason) == n, reason
+    assert value(samples, "pipeline_requests_total") == table.num_rows
+    assert value(samples, "pipeline_shards_total", outcome="completed") == num_shards
+    assert value(samples, "pipeline_time_to_first_token_seconds_count") == want["ran"]
+    assert value(samples, "pipeline_request_latency_seconds_count") == want["ran"]
+    assert value(samples, "pipeline_request_latency_seconds_bucket", le="+Inf") == want["ran"]
+    assert value(samples, "pipeline_request_latency_seconds_sum") == pytest.approx(want["latency_sum"])
+    assert value(samples, "pipeline_engine_step_seconds_count") > 0
+    # nothing left running once the job is done
+    for gauge in ("pipeline_running_sequences", "pipeline_waiting_sequences", "pipeline_shards_in_flight",
+                  "pipeline_kv_cache_utilization"):
+        assert value(samples, gauge) == 0, gauge
+
+
+def submit_and_wait(cluster, rows, *args) -> str:
+    src = write_jsonl(cluster.tmp_path / f"in-{uuid.uuid4().hex[:6]}.jsonl", rows)
+    done = cluster.cli("submit", str(src), "--model", str(cluster.model_dir), "--kv-cache-gib", "0.05", "--wait",
+                       *args)
+    assert done.returncode == 0, done.stderr + cluster.all_logs()
+    return done.stdout.strip()
+
+
+def some_rows(prefix: str, n: int) -> list[dict]:
+    """Requests of a few lengths, and one whose prompt is too long for the tiny model (an error row)."""
+    return [{"id": f"{prefix}{i}", "prompt": f"Item {i}", "max_tokens": 2 + i % 4, "ignore_eos": True}
+            for i in range(n)] + [{"id": f"{prefix}-too-long", "prompt": "word " * 600, "max_tokens": 2}]
+
+
+# --- real workers -------------------------------------------------------------------------------
+
+def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cluster_factory):
+    """--concurrency 2: two engine processes, prometheus_client's multiprocess mode, one endpoint."""
+    c = cluster_factory(sqlite_url)
+    port = free_port()
+    c.start_worker(args=["--concurrency", "2", "--metrics-port", str(port)])
+    rows = some_rows("p", 7)
+    job_id = submit_and_wait(c, rows, "--shard-size", "2")
+    job, table = c.job(job_id), c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    workers = {sh.worker for sh in c.shards(job_id)}
+    assert len(workers) == 2, f"both children should have run shards: {workers}"
+    samples = wait_until("the counters of both children", lambda: (s := scrape(port)) and
+                         value(s, "pipeline_shards_total", outcome="completed") == 4 and
+                         value(s, "pipeline_running_sequences") == 0 and s, logs_of=c)
+    check_worker_counters(samples, job, table, num_shards=4)
+
+
+# --- in-process ---------------------------------------------------------------------------------
+
+def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, engines, options):
+    model = {"model": "tiny", "worker": HOST}
+    series = {"generated": ("pipeline_generated_tokens_total", model),
+              "prompt": ("pipeline_prompt_tokens_total", model),
+              "ran": ("pipeline_time_to_first_token_seconds_count", model),
+              **{reason: ("pipeline_requests_total", {**model, "finish_reason": reason})
+                 for reason in ("length", "error", "cancelled")},
+              **{outcome: ("pipeline_shards_total", {"worker": HOST, "outcome": outcome})
+                 for outcome in ("completed", "skipped", "lost", "crashed")}}
+    before = {key: in_process(name, **labels) for key, (name, labels) in series.items()}
+
+    job_id = submit(Session, data_root, tmp_path, some_rows("r", 4), options)
+    run = dict(engine_provider=engines.use, worker_name="t")
+    assert run_shard(Session, data_root, job_id, 0, **run) == "completed"
+    assert run_shard(Session, data_root, job_id, 0, **run) == "skipped"
+    _, outcome = run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, 2,
+                                                another_worker_takes_over, lease_s=0.3)
+    assert outcome == "lost"   # it generated tokens but committed none: it counts none
+    cancelled_id, outcome = run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, 2, cancel)
+    assert outcome == "cancelled"
+    crashing = submit(Session, data_root, tmp_path, some_rows("c", 1), {"model": str(tmp_path / "no-model")})
+    with pytest.raises(Exception):
+        run_shard(Session, data_root, crashing, 0, **run)
+
+    grew = {key: in_process(name, **labels) - before[key] for key, (name, labels) in series.items()}
+    with Session() as s:
+        done, cancelled = get_job(s, job_id), get_job(s, cancelled_id)
+    assert grew["generated"] == done.output_tokens + cancelled.output_tokens
+    assert grew["prompt"] == done.prompt_tokens + cancelled.prompt_tokens
+    assert grew["ran"] == 4 + 1   # the four that ran and the cancelled job's "quick" one
+    assert [grew[r] for r in ("length", "error", "cancelled")] == [5, 1, 2]
+    assert [grew[o] for o in ("completed", "skipped", "lost", "crashed")] == [1, 1, 1, 1]
+    assert in_process("pipeline_shards_total", worker=HOST, outcome="cancelled") >= 1
+    assert in_process("pipeline_shards_in_flight", worker=HOST) == 0
+
+
+def test_the_reaper_counts_the_shards_it_gives_up(Session, data_root, tmp_path):
+    from sqlalchemy import update
+
+    from jobs.ledger import Shard, utcnow
+    from workers.recovery import recover
+
+    before = (in_process("pipeline_requests_total", model="tiny", worker=HOST, finish_reason="error"),
+              in_process("pipeline_shards_total", worker=HOST, outcome="failed"))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(3)])
+    job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=3)[0]
+    with Session() as s:
+        assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
+        s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
+        s.commit()
+    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=list, backlog=lambda: 0)
+    assert report["exhausted"] == [(job_id, 0)]
+    after = (in_process("pipeline_requests_total", model="tiny", worker=HOST, finish_reason="error"),
+             in_process("pipeline_shards_total", worker=HOST, outcome="failed"))
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 1)
+
+
+def test_the_engine_observer_sees_every_step_and_preemption(tiny_model_dir):
+    """A pool too small for the batch: the loop's observer counts each step and each preemption."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=24, block_size=4,
+                                 max_num_batched_tokens=64, max_num_seqs=64))
+    labels = {"model": tiny_model_dir.name, "worker": HOST}
+    before = (in_process("pipeline_engine_step_seconds_count", **labels),
+              in_process("pipeline_preemptions_total", **labels))
+    loop = EngineLoop(engine, observer=metrics.EngineObserver())
+    try:
+        import random
+        rng = random.Random(1)
+        requests = [Request(f"p{i}", prompt_token_ids=random_prompt(rng, n), params=greedy(m, ignore_eos=True))
+                    for i, (n, m) in enumerate([(5, 20), (12, 16), (40, 12), (20, 20), (33, 8), (9, 24)])]
+        assert len(list(loop.generate(requests))) == 6
+        wait_until("the observer to see the engine idle", lambda: (
+            in_process("pipeline_engine_step_seconds_count", **labels) - before[0] == engine.num_steps and
+            in_process("pipeline_running_sequences", **labels) == 0), timeout=10, poll_s=0.05)
+    finally:
+        loop.close()
+    assert engine.scheduler.num_preemptions > 0
+    assert in_process("pipeline_preemptions_total", **labels) - before[1] == engine.scheduler.num_preemptions
+    assert in_process("pipeline_waiting_sequences", **labels) == 0
+    assert in_process("pipeline_kv_cache_utilization", **labels) == 0
+
+
+def test_pipeline_run_serves_its_metrics_while_it_runs(runner, data_root, tmp_path, tiny_model_dir):
+    port = free_port()
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi", "max_tokens": 3} for i in range(4)])
+    labels = {"model": tiny_model_dir.name, "worker": HOST}
+    before = in_process("pipeline_generated_tokens_total", **labels)
+    try:
+        result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--kv-cache-gib", "0.05",
+                                      "--metrics-port", str(port)])
+        assert result.exit_code == 0, result.output
+        samples = scrape(port)   # the endpoint lives as long as the process
+    finally:
+        metrics.stop_serving()
+    with session_factory(make_engine(f"sqlite:///{data_root / 'ledger.sqlite'}"))() as s:
+        from jobs.ledger import list_jobs
+        (job,) = list_jobs(s)
+    assert value(samples, "pipeline_generated_tokens_total", **labels) - before == job.output_tokens == 12
+    # a port already taken is a clear error before any job is created
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        result = runner.invoke(main, ["run", str(src), "--metrics-port", str(taken.getsockname()[1])])
+    assert result.exit_code == 2 and "cannot serve metrics" in result.output
+
+
