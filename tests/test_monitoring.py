@@ -1,20 +1,30 @@
-"""Monitoring with real parts: a prefork worker's one /metrics endpoint for all its children,
-checked against the ledger and the Parquet results; in-process, what run_shard, the engine
-loop and the reaper count, and `pipeline run --metrics-port`."""
+"""Monitoring with real parts: a real worker's /metrics against the ledger and the Parquet
+results, a real Prometheus (Debian's package) scraping a worker and `pipeline metrics`, a
+prefork worker's one endpoint for all its children; in-process, what run_shard, the engine
+loop and the reaper count, the ledger-and-broker exporter on both ledgers, and `pipeline run
+--metrics-port`."""
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.ledger import claim_shard, get_job, make_engine, session_factory
+from jobs.ledger import claim_shard, get_job, make_engine, request_cancel, session_factory
 from jobs.submission import create_job_from_file
 from pipeline import Engine, EngineConfig, Request
 from pipeline.cli import main
@@ -26,10 +36,13 @@ from test_fault_tolerance import (  # noqa: F401  (fixtures)
 from test_shard_runner import (  # noqa: F401  (fixtures)
     another_worker_takes_over, cancel, engines, options, run_with_a_quick_request_first, submit,
 )
+from worker_process import BROKER_URL, drop_queue
 from workers import metrics
 from workers.shard_runner import run_shard
 
 HOST = socket.gethostname()   # the worker label of this process's series
+PROMETHEUS_MISSING = ("the Prometheus server binary is not on PATH: install Debian's package "
+                      "(`apt-get install -y prometheus`; .ci/run does it)")
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -120,7 +133,91 @@ def some_rows(prefix: str, n: int) -> list[dict]:
             for i in range(n)] + [{"id": f"{prefix}-too-long", "prompt": "word " * 600, "max_tokens": 2}]
 
 
+@contextlib.contextmanager
+def prometheus(tmp_path: Path, targets: dict[str, int]):
+    """A real Prometheus server on a free port scraping 127.0.0.1:PORT for each job name in
+    targets every second, its data in a temporary directory; yields its query function."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail(PROMETHEUS_MISSING, pytrace=False)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({   # JSON is YAML
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [{"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+                           for name, port in targets.items()]}))
+    port = free_port()
+    log_path = tmp_path / "prometheus.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+
+    def query(expr: str) -> list[dict]:
+        answer = json.loads(get(f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+        assert answer["status"] == "success", answer
+        return answer["data"]["result"]
+
+    try:
+        wait_until("Prometheus to be ready", lambda: get(f"http://127.0.0.1:{port}/-/ready"), timeout=60)
+        yield query
+    except BaseException:
+        print(log_path.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def query_value(query, expr: str) -> float | None:
+    """The value of a query that yields one series (None while it yields none)."""
+    result = query(expr)
+    return float(result[0]["value"][1]) if len(result) == 1 else None
+
+
 # --- real workers -------------------------------------------------------------------------------
+
+def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sqlite_url, cluster_factory, tmp_path):
+    c = cluster_factory(sqlite_url)
+    worker_port, exporter_port = free_port(), free_port()
+    c.start_worker(PIPELINE_METRICS_PORT=worker_port)
+    c.start_process("exporter", [sys.executable, "-m", "pipeline.cli", "metrics", "--port", str(exporter_port)])
+    with prometheus(tmp_path, {"pipeline-workers": worker_port, "pipeline-ledger": exporter_port}) as query:
+        rows = some_rows("m", 10)
+        job_id = submit_and_wait(c, rows, "--shard-size", "4")
+        job, table = c.job(job_id), c.assert_exactly_once(job_id, [r["id"] for r in rows])
+        assert job.status == "completed" and job.failed_requests == 1
+        # a shard's counts land right after its commit, possibly just after the job ended
+        samples = wait_until("the worker's counters to cover the job's 3 shards",
+                             lambda: (s := scrape(worker_port)) and
+                             value(s, "pipeline_shards_total", outcome="completed") == 3 and
+                             value(s, "pipeline_running_sequences") == 0 and s, logs_of=c)
+        check_worker_counters(samples, job, table, num_shards=3)
+        assert {s.labels["model"] for s in samples if s.name == "pipeline_generated_tokens_total"} == \
+            {c.model_dir.name}   # the model's name, never a path or a job id
+        assert not any("job_id" in s.labels for s in samples)
+
+        exported = scrape(exporter_port)
+        assert value(exported, "pipeline_ledger_up") == value(exported, "pipeline_broker_up") == 1
+        assert value(exported, "pipeline_jobs", status="completed") == 1
+        assert value(exported, "pipeline_queue_messages", queue=c.queue) == 0
+
+        # Prometheus scraped both: the numbers it stores are the ledger's
+        wait_until("Prometheus to store the job's generated tokens",
+                   lambda: sum(float(r["value"][1]) for r in query("pipeline_generated_tokens_total"))
+                   == job.output_tokens, timeout=60)
+        (series,) = query("pipeline_generated_tokens_total")
+        assert series["metric"]["job"] == "pipeline-workers" and "worker" in series["metric"]
+        assert query_value(query, 'sum(pipeline_requests_total{finish_reason="error"})') == 1
+        wait_until("Prometheus to store the ledger's view",
+                   lambda: query_value(query, 'pipeline_jobs{status="completed"}') == 1, timeout=60)
+        assert {r["metric"]["job"]: r["value"][1] for r in query("up")} == \
+            {"pipeline-workers": "1", "pipeline-ledger": "1"}
+        assert query_value(query, "sum(pipeline_engine_step_seconds_count)") == \
+            value(samples, "pipeline_engine_step_seconds_count") > 0
+
 
 def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cluster_factory):
     """--concurrency 2: two engine processes, prometheus_client's multiprocess mode, one endpoint."""
@@ -220,6 +317,52 @@ def test_the_engine_observer_sees_every_step_and_preemption(tiny_model_dir):
     assert in_process("pipeline_preemptions_total", **labels) - before[1] == engine.scheduler.num_preemptions
     assert in_process("pipeline_waiting_sequences", **labels) == 0
     assert in_process("pipeline_kv_cache_utilization", **labels) == 0
+
+
+def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_root, tmp_path):
+    from jobs.settings import Settings
+    from workers.broker import enqueue_job
+    from workers.exporter import registry_for
+
+    queue = f"pipeline-metrics-{uuid.uuid4().hex[:8]}"
+    settings = Settings(data_dir=data_root, database_url=db_url, broker_url=BROKER_URL, queue=queue)
+    engine = make_engine(db_url)
+    Session = session_factory(engine)
+    try:
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(5)])
+        job_id, sizes = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=2)
+        enqueue_job(settings, job_id, len(sizes))
+        other = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=5)[0]
+        with Session() as s:
+            assert claim_shard(s, other, 0, "w:1", 60, 3) == 1
+        registry = registry_for(settings, Session)
+
+        def sample(name, **labels):
+            return registry.get_sample_value(name, labels)
+
+        assert sample("pipeline_ledger_up") == sample("pipeline_broker_up") == 1
+        assert sample("pipeline_queue_messages", queue=queue) == 3
+        assert (sample("pipeline_jobs", status="queued"), sample("pipeline_jobs", status="in_progress"),
+                sample("pipeline_jobs", status="completed")) == (1, 1, 0)
+        assert sample("pipeline_job_requests", job_id=job_id) == 5
+        assert sample("pipeline_job_requests_completed", job_id=job_id) == 0
+        assert sample("pipeline_job_shards", job_id=job_id, status="queued") == 3
+        assert sample("pipeline_job_shards", job_id=other, status="running") == 1
+        with Session() as s:
+            assert request_cancel(s, job_id)
+        from jobs.finalize import finalize_job
+        finalize_job(Session, data_root, job_id)
+        assert sample("pipeline_jobs", status="cancelled") == 1
+        assert sample("pipeline_job_requests", job_id=job_id) is None   # ended: its series are gone
+
+        down = Settings(data_dir=data_root, database_url=db_url, broker_url="redis://127.0.0.1:1/0", queue=queue)
+        gone = session_factory(make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none"))
+        unreachable = registry_for(down, gone)
+        assert unreachable.get_sample_value("pipeline_broker_up") == 0
+        assert unreachable.get_sample_value("pipeline_ledger_up") == 0
+    finally:
+        drop_queue(queue)
+        engine.dispose()
 
 
 def test_pipeline_run_serves_its_metrics_while_it_runs(runner, data_root, tmp_path, tiny_model_dir):

@@ -46,10 +46,11 @@ def enqueue_job(settings: Settings, job_id: str, num_shards: int) -> None:
     enqueue_shards(settings, ((job_id, index) for index in range(num_shards)))
 
 
-def backlog(settings: Settings) -> int:
-    """Messages waiting in the settings' Redis queue (not those delivered and unacknowledged)."""
+def backlog(settings: Settings, queue: str | None = None) -> int:
+    """Messages waiting in a Redis queue, the settings' by default (not those delivered and
+    unacknowledged)."""
     client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        return int(client.llen(settings.queue))
+        return int(client.llen(queue or settings.queue))
     finally:
         client.close()

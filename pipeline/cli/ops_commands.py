@@ -1,4 +1,4 @@
-"""Commands that run the machinery: worker, recover, db upgrade, bench."""
+"""Commands that run the machinery: worker, recover, metrics, db upgrade, bench."""
 from __future__ import annotations
 
 import json
@@ -84,6 +84,39 @@ def recover_command(settings):
     click.echo(json.dumps(report))
     if report["errors"]:
         raise Fail(f"{len(report['errors'])} recovery step(s) failed (see above)")
+
+
+@click.command("metrics")
+@click.option("--port", default=9401, show_default=True, type=click.IntRange(1, 65535),
+              help="Serve at http://<host>:PORT/metrics.")
+@click.option("--queue", "queues", multiple=True, metavar="QUEUE",
+              help="A broker queue to report (repeatable)  [default: PIPELINE_QUEUE's]")
+@settings_options("broker_url")
+def metrics_command(port, queues, settings):
+    """Serve the ledger's and the broker's numbers for Prometheus until stopped.
+
+    Shards waiting per queue, jobs by status, and for each job that has not ended its
+    requests completed and failed and its shards by status, read at each scrape. Workers
+    serve their own numbers (`pipeline worker --metrics-port`); scrape both.
+    """
+    import threading
+
+    from prometheus_client import start_http_server
+
+    from jobs import ledger
+    from workers.exporter import registry_for
+
+    # Read-only: never migrates the ledger (a missing schema shows as pipeline_ledger_up 0).
+    Session = ledger.session_factory(ledger.make_engine(settings.database_url))
+    try:
+        server, _ = start_http_server(port, registry=registry_for(settings, Session, queues))
+    except OSError as e:
+        raise Fail(f"cannot serve metrics on port {port}: {e}", EXIT_USAGE) from None
+    click.echo(f"serving the ledger's and the broker's metrics at http://0.0.0.0:{port}/metrics", err=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()
 
 
 @click.group("db")
