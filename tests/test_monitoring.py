@@ -1,10 +1,11 @@
 """Monitoring with real parts: a real worker's /metrics against the ledger and the Parquet
-results, a real Prometheus (Debian's package) scraping a worker and `pipeline metrics`, a
-prefork worker's one endpoint for all its children; in-process, what run_shard, the engine
-loop and the reaper count, the ledger-and-broker exporter on both ledgers, and `pipeline run
---metrics-port`."""
+results, a real Prometheus (Debian's package) scraping a worker and `pipeline metrics`,
+real Flower listing the shard tasks, a prefork worker's one endpoint for all its children;
+in-process, what run_shard, the engine loop and the reaper count, the ledger-and-broker
+exporter on both ledgers, and `pipeline run --metrics-port`."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import shutil
@@ -38,7 +39,7 @@ from test_shard_runner import (  # noqa: F401  (fixtures)
 )
 from worker_process import BROKER_URL, drop_queue
 from workers import metrics
-from workers.shard_runner import run_shard
+from workers.shard_runner import ShardOutcome, run_shard
 
 HOST = socket.gethostname()   # the worker label of this process's series
 PROMETHEUS_MISSING = ("the Prometheus server binary is not on PATH: install Debian's package "
@@ -53,8 +54,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def get(url: str, timeout: float = 10) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def get(url: str, auth: str | None = None, timeout: float = 10) -> bytes:
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
 
 
@@ -217,6 +221,35 @@ def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sql
             {"pipeline-workers": "1", "pipeline-ledger": "1"}
         assert query_value(query, "sum(pipeline_engine_step_seconds_count)") == \
             value(samples, "pipeline_engine_step_seconds_count") > 0
+
+
+def test_flower_lists_the_shard_tasks(sqlite_url, cluster_factory):
+    c = cluster_factory(sqlite_url)
+    port, auth = free_port(), "ops:night-shift"
+    c.start_process("flower", [sys.executable, "-m", "celery", "-A", "workers.app", "flower", f"--port={port}",
+                               "--address=127.0.0.1", f"--basic-auth={auth}"])
+    wait_until("Flower to answer", lambda: get(f"http://127.0.0.1:{port}/healthcheck") == b"OK", timeout=60,
+               logs_of=c)
+    c.start_worker()
+    rows = [{"id": f"f{i}", "prompt": f"Item {i}", "max_tokens": 3} for i in range(6)]
+    job_id = submit_and_wait(c, rows, "--shard-size", "2")
+
+    def shard_tasks():
+        # This job's tasks (the broker is shared with other tests), all ended. The reconciler
+        # (a 3 s grace here) may send a waiting shard again: that copy ends "skipped" or "busy".
+        tasks = json.loads(get(f"http://127.0.0.1:{port}/api/tasks", auth=auth)).values()
+        mine = [t for t in tasks if job_id in (t.get("args") or "")]
+        completed = [t for t in mine if t.get("result") == "'completed'"]
+        return len(completed) == 3 and all(t["state"] == "SUCCESS" for t in mine) and mine
+
+    tasks = wait_until("Flower to list the job's 3 shard tasks as succeeded", shard_tasks, timeout=60, logs_of=c)
+    assert {t["name"] for t in tasks} == {"pipeline.run_shard"}
+    assert sorted(t["args"] for t in tasks if t["result"] == "'completed'") == \
+        [f"(job_id='{job_id}', shard={i})" for i in range(3)]
+    assert {t["result"] for t in tasks} <= {f"'{o}'" for o in ShardOutcome}   # copies: "skipped" or "busy"
+    with pytest.raises(urllib.error.HTTPError):   # the API is not open without its credentials
+        get(f"http://127.0.0.1:{port}/api/tasks")
+
 
 
 def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cluster_factory):

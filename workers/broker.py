@@ -37,7 +37,14 @@ def enqueue_shards(settings: Settings, shards: Iterable[tuple[str, int]]) -> Non
 
     with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer:
         for job_id, index in shards:
-            app.send_task(RUN_SHARD, (job_id, index), queue=settings.queue, producer=producer)
+            app.send_task(RUN_SHARD, (job_id, index), queue=settings.queue, producer=producer,
+                          argsrepr=shard_repr(job_id, index))
+
+
+def shard_repr(job_id: str, index: int) -> str:
+    """How a shard task's arguments read in Flower and in the worker's log."""
+    return f"(job_id={job_id!r}, shard={index})"
+
 
 
 def enqueue_job(settings: Settings, job_id: str, num_shards: int) -> None:

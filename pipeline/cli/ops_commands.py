@@ -25,7 +25,8 @@ def worker_command(concurrency, loglevel, settings):
     """Start a Celery worker that runs shards (the engine is built on its first shard).
 
     With one process, its shards in flight are Celery threads that feed one engine, so
-    the next shard's requests run beside the last requests of the one finishing.
+    the next shard's requests run beside the last requests of the one finishing. It sends
+    task events, so Flower (`celery -A workers.app flower`) shows every shard task.
     """
     made_dir = None
     if concurrency > 1 and settings.metrics_port:
@@ -43,10 +44,11 @@ def worker_command(concurrency, loglevel, settings):
     else:
         pool, slots = "solo", 1
     serve_metrics(settings)
-    # Workers share nothing but the ledger: no need for gossip, mingle or event heartbeats.
+    # Workers share nothing but the ledger: no gossip or mingle. Event heartbeats stay on so
+    # that Flower sees the workers alive.
     try:
         app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
-                         "--without-gossip", "--without-mingle", "--without-heartbeat"])
+                         "--without-gossip", "--without-mingle"])
     finally:
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
