@@ -1,17 +1,20 @@
 """Monitoring with real parts: a real worker's /metrics against the ledger and the Parquet
 results, a real Prometheus (Debian's package) scraping a worker and `pipeline metrics`,
-real Flower listing the shard tasks, a prefork worker's one endpoint for all its children;
-in-process, what run_shard, the engine loop and the reaper count, the ledger-and-broker
-exporter on both ledgers, and `pipeline run --metrics-port`."""
+real Flower listing the shard tasks, a prefork worker's one endpoint for all its children,
+and JSON logs; in-process, what run_shard, the engine loop and the reaper count, the
+ledger-and-broker exporter on both ledgers, and `pipeline run --metrics-port`."""
 from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
+import logging
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -32,13 +35,13 @@ from pipeline.cli import main
 from pipeline.engine_loop import EngineLoop
 from test_engine import greedy, random_prompt
 from test_fault_tolerance import (  # noqa: F401  (fixtures)
-    WAIT_S, cluster_factory, sqlite_url, write_jsonl,
+    REPO, WAIT_S, cluster_factory, sqlite_url, write_jsonl,
 )
 from test_shard_runner import (  # noqa: F401  (fixtures)
     another_worker_takes_over, cancel, engines, options, run_with_a_quick_request_first, submit,
 )
 from worker_process import BROKER_URL, drop_queue
-from workers import metrics
+from workers import logs, metrics
 from workers.shard_runner import ShardOutcome, run_shard
 
 HOST = socket.gethostname()   # the worker label of this process's series
@@ -121,6 +124,20 @@ def check_worker_counters(samples, job, table, num_shards: int) -> None:
     for gauge in ("pipeline_running_sequences", "pipeline_waiting_sequences", "pipeline_shards_in_flight",
                   "pipeline_kv_cache_utilization"):
         assert value(samples, gauge) == 0, gauge
+
+
+def json_log_of(cluster, worker) -> list[dict]:
+    """Stop the worker, then read its whole log: every line must be one JSON object."""
+    worker.terminate()
+    worker.wait(timeout=60)
+    records = []
+    for number, line in enumerate(cluster.log(worker).splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"worker log line {number} is not JSON: {line!r}")
+        assert {"time", "level", "logger", "message", "worker"} <= records[-1].keys(), line
+    return records
 
 
 def submit_and_wait(cluster, rows, *args) -> str:
@@ -223,14 +240,14 @@ def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sql
             value(samples, "pipeline_engine_step_seconds_count") > 0
 
 
-def test_flower_lists_the_shard_tasks(sqlite_url, cluster_factory):
+def test_flower_lists_the_shard_tasks_and_json_logs_carry_the_shards_ids(sqlite_url, cluster_factory):
     c = cluster_factory(sqlite_url)
     port, auth = free_port(), "ops:night-shift"
     c.start_process("flower", [sys.executable, "-m", "celery", "-A", "workers.app", "flower", f"--port={port}",
                                "--address=127.0.0.1", f"--basic-auth={auth}"])
     wait_until("Flower to answer", lambda: get(f"http://127.0.0.1:{port}/healthcheck") == b"OK", timeout=60,
                logs_of=c)
-    c.start_worker()
+    worker = c.start_worker(PIPELINE_LOG_FORMAT="json")
     rows = [{"id": f"f{i}", "prompt": f"Item {i}", "max_tokens": 3} for i in range(6)]
     job_id = submit_and_wait(c, rows, "--shard-size", "2")
 
@@ -250,13 +267,27 @@ def test_flower_lists_the_shard_tasks(sqlite_url, cluster_factory):
     with pytest.raises(urllib.error.HTTPError):   # the API is not open without its credentials
         get(f"http://127.0.0.1:{port}/api/tasks")
 
+    records = json_log_of(c, worker)
+    assert any("ready" in r["message"] for r in records)   # Celery's own records too
+    assert any("Warm shutdown" in r["message"] for r in records)   # and its notices from signal handlers
+    about = [r for r in records if r.get("job_id") == job_id]
+    workers = {sh.index: sh.worker for sh in c.shards(job_id)}
+    for index in range(3):
+        mine = [r for r in about if r["shard"] == index]
+        done = [r for r in mine if "succeeded" in r["message"] and "'completed'" in r["message"]]
+        assert len(done) == 1, mine
+        # the attempt that committed it, and the worker as the ledger names it
+        assert (done[0]["attempt"], done[0]["worker"]) == (1, workers[index])
+        assert all(r["task_id"] for r in mine)
+        # the consumer's "received" line, before any task ran, names the shard and the task too
+        assert any("received" in r["message"] and r["task_id"] == done[0]["task_id"] for r in mine)
 
 
 def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cluster_factory):
     """--concurrency 2: two engine processes, prometheus_client's multiprocess mode, one endpoint."""
     c = cluster_factory(sqlite_url)
     port = free_port()
-    c.start_worker(args=["--concurrency", "2", "--metrics-port", str(port)])
+    worker = c.start_worker(args=["--concurrency", "2", "--metrics-port", str(port), "--log-format", "json"])
     rows = some_rows("p", 7)
     job_id = submit_and_wait(c, rows, "--shard-size", "2")
     job, table = c.job(job_id), c.assert_exactly_once(job_id, [r["id"] for r in rows])
@@ -266,6 +297,9 @@ def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cl
                          value(s, "pipeline_shards_total", outcome="completed") == 4 and
                          value(s, "pipeline_running_sequences") == 0 and s, logs_of=c)
     check_worker_counters(samples, job, table, num_shards=4)
+    # the children's records are JSON lines too, each naming its own process
+    about = [r for r in json_log_of(c, worker) if r.get("job_id") == job_id and r.get("attempt")]
+    assert {r["worker"] for r in about} == workers
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -422,3 +456,38 @@ def test_pipeline_run_serves_its_metrics_while_it_runs(runner, data_root, tmp_pa
     assert result.exit_code == 2 and "cannot serve metrics" in result.output
 
 
+def test_json_records_carry_the_bound_shard_in_its_threads_only():
+    stream = io.StringIO()
+    logger = logging.getLogger(f"test-json-{uuid.uuid4().hex[:6]}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logging.StreamHandler(stream))
+    logs.use_json(logger)
+    token = logs.bind_shard("job_0123456789abcdef", 3, worker="celery@box:42", task_id="t-1")
+    logs.bind_attempt(2)
+    import contextvars
+    keeper = threading.Thread(target=contextvars.copy_context().run, args=(logger.warning, "lease %s", "renewed"))
+    keeper.start()
+    keeper.join()
+    logs.unbind(token)
+    outsider = threading.Thread(target=logger.info, args=("not about a shard",))
+    outsider.start()
+    outsider.join()
+    about, other = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert {k: about[k] for k in ("job_id", "shard", "attempt", "worker", "task_id", "message", "level")} == {
+        "job_id": "job_0123456789abcdef", "shard": 3, "attempt": 2, "worker": "celery@box:42", "task_id": "t-1",
+        "message": "lease renewed", "level": "WARNING"}
+    assert "job_id" not in other and other["worker"].endswith(f":{__import__('os').getpid()}")
+
+
+def test_a_bad_log_format_is_refused(runner, tmp_path):
+    from jobs.settings import Settings
+
+    result = runner.invoke(main, ["worker", "--log-format", "xml"])
+    assert result.exit_code == 2 and "'xml' is not one of 'text', 'json'" in result.output
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "worker"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PIPELINE_LOG_FORMAT": "xml",
+                               "PIPELINE_DATA_DIR": str(tmp_path)}, cwd=REPO, timeout=60)
+    assert done.returncode == 2 and "'xml' is not one of" in done.stderr, done.stderr
+    with pytest.raises(ValueError, match="PIPELINE_LOG_FORMAT"):   # `celery -A workers.app` reads it so
+        Settings.from_env({"PIPELINE_LOG_FORMAT": "xml"})

@@ -6,6 +6,7 @@ tasks -> recovery -> broker -> app.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import redis
@@ -42,9 +43,11 @@ def enqueue_shards(settings: Settings, shards: Iterable[tuple[str, int]]) -> Non
 
 
 def shard_repr(job_id: str, index: int) -> str:
-    """How a shard task's arguments read in Flower and in the worker's log."""
+    """How a shard task's arguments read in Flower and in the worker's log (see SHARD_REPR)."""
     return f"(job_id={job_id!r}, shard={index})"
 
+
+SHARD_REPR = re.compile(r"\(job_id='(?P<job_id>job_[0-9a-f]+)', shard=(?P<shard>\d+)\)")
 
 
 def enqueue_job(settings: Settings, job_id: str, num_shards: int) -> None:

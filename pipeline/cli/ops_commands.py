@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -20,7 +21,7 @@ from pipeline.cli.options import engine_options, settings_options
               help="Engine processes (prefork), each running one shard at a time; 1 (the default) "
                    "runs one engine in this process with --shards-in-flight shards sharing it.")
 @click.option("--loglevel", default="info", show_default=True)
-@settings_options("broker_url", "shards_in_flight", "metrics_port")
+@settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format")
 def worker_command(concurrency, loglevel, settings):
     """Start a Celery worker that runs shards (the engine is built on its first shard).
 
@@ -31,23 +32,28 @@ def worker_command(concurrency, loglevel, settings):
     made_dir = None
     if concurrency > 1 and settings.metrics_port:
         made_dir = _metrics_across_processes()   # before anything imports prometheus_client
+    if settings.log_format == "json":
+        from workers.logs import log_to_stderr_as_json
+        log_to_stderr_as_json()
     from workers.app import app, configure
 
     configure(settings)  # prefork children inherit it
     if concurrency > 1:
         pool, slots = "prefork", concurrency
         if settings.shards_in_flight > 1:
-            click.echo(f"--concurrency {concurrency}: {concurrency} engine processes, one shard each "
-                       f"(--shards-in-flight applies to a single-process worker)", err=True)
+            logging.getLogger(__name__).warning(
+                "--concurrency %d: %d engine processes, one shard each (--shards-in-flight applies to a "
+                "single-process worker)", concurrency, concurrency)
     elif settings.shards_in_flight > 1:
         pool, slots = "threads", settings.shards_in_flight
     else:
         pool, slots = "solo", 1
     serve_metrics(settings)
     # Workers share nothing but the ledger: no gossip or mingle. Event heartbeats stay on so
-    # that Flower sees the workers alive.
+    # that Flower sees the workers alive; --quiet drops the banner, which is not a log line.
+    quiet = ["--quiet"] if settings.log_format == "json" else []
     try:
-        app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
+        app.worker_main([*quiet, "worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
                          "--without-gossip", "--without-mingle"])
     finally:
         if made_dir is not None:
