@@ -33,6 +33,7 @@ from jobs.submission import create_job_from_file
 from pipeline import Engine, EngineConfig, Request
 from pipeline.cli import main
 from pipeline.engine_loop import EngineLoop
+from test_compose import dashboard_queries
 from test_engine import greedy, random_prompt
 from test_fault_tolerance import (  # noqa: F401  (fixtures)
     REPO, WAIT_S, cluster_factory, sqlite_url, write_jsonl,
@@ -236,6 +237,8 @@ def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sql
                    lambda: query_value(query, 'pipeline_jobs{status="completed"}') == 1, timeout=60)
         assert {r["metric"]["job"]: r["value"][1] for r in query("up")} == \
             {"pipeline-workers": "1", "pipeline-ledger": "1"}
+        for expr in dashboard_queries():   # the Grafana dashboard's queries are valid PromQL here
+            query(expr)
         assert query_value(query, "sum(pipeline_engine_step_seconds_count)") == \
             value(samples, "pipeline_engine_step_seconds_count") > 0
 
