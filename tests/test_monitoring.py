@@ -435,6 +435,47 @@ def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_roo
         engine.dispose()
 
 
+MULTIPROCESS_CHILDREN = """
+import os
+from prometheus_client import CollectorRegistry, generate_latest
+from workers import metrics
+
+def child(n):
+    # a forked child that counts n tokens and has n shards in flight, says so, then waits to be told to go
+    ready, go = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        metrics.SHARDS_IN_FLIGHT.labels("w").set(n)
+        metrics.GENERATED_TOKENS.labels("m", "w").inc(n)
+        os.write(ready[1], b"x")
+        os.read(go[0], 1)
+        os._exit(0)   # without mark_process_dead, as if killed
+    os.read(ready[0], 1)
+    return pid, go[1]
+
+killed, go = child(5)
+os.write(go, b"x")
+os.waitpid(killed, 0)
+alive, go = child(2)
+registry = CollectorRegistry()
+metrics._LiveProcessesCollector(registry)
+print(generate_latest(registry).decode())
+os.write(go, b"x")
+os.waitpid(alive, 0)
+"""
+
+
+def test_multiprocess_mode_adds_up_the_children_and_forgets_the_dead_ones(tmp_path):
+    """The prefork endpoint's collector: counters of every child (dead ones too: what they
+    committed stays committed), live gauges only of the children still alive."""
+    done = subprocess.run([sys.executable, "-c", MULTIPROCESS_CHILDREN], capture_output=True, text=True, cwd=REPO,
+                          env={"PATH": "/usr/bin:/bin", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    samples = [s for family in text_string_to_metric_families(done.stdout) for s in family.samples]
+    assert value(samples, "pipeline_generated_tokens_total") == 7
+    assert value(samples, "pipeline_shards_in_flight") == 2
+
+
 def test_pipeline_run_serves_its_metrics_while_it_runs(runner, data_root, tmp_path, tiny_model_dir):
     port = free_port()
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi", "max_tokens": 3} for i in range(4)])

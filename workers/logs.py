@@ -21,8 +21,6 @@ from pythonjsonlogger.json import JsonFormatter
 
 from workers.broker import RUN_SHARD, SHARD_REPR
 
-SHARD_FIELDS = ("job_id", "shard", "attempt", "worker", "task_id")
-
 _shard: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pipeline_shard", default=None)
 _node = socket.gethostname()   # a Celery worker: its node name (set_node)
 
