@@ -42,7 +42,7 @@ class LedgerAndBrokerCollector:
                 waiting.add_metric([queue], broker.backlog(self.settings, queue))
             up.add_metric([], 1)
         except Exception as e:
-            log.warning("metrics: reading the broker failed: %s", e)
+            log.warning("metrics: reading the broker failed: %s", _first_line(e))
             up.add_metric([], 0)
             yield up
             return
@@ -57,7 +57,7 @@ class LedgerAndBrokerCollector:
                 live = ledger.live_jobs(s)
                 shards = ledger.live_shards_by_status(s)
         except Exception as e:
-            log.warning("metrics: reading the ledger failed: %s", e)
+            log.warning("metrics: reading the ledger failed: %s", _first_line(e))
             up.add_metric([], 0)
             yield up
             return
@@ -88,6 +88,11 @@ class LedgerAndBrokerCollector:
         for (job_id, status), n in sorted(shards.items()):
             job_shards.add_metric([job_id, status], n)
         yield job_shards
+
+
+def _first_line(error: Exception) -> str:
+    # SQLAlchemy's messages go on with the statement and a link: one line a scrape is enough.
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def registry_for(settings: Settings, Session: sessionmaker[Session], queues: Iterable[str] = ()) -> CollectorRegistry:

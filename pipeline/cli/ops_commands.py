@@ -107,6 +107,7 @@ def metrics_command(port, queues, settings):
     requests completed and failed and its shards by status, read at each scrape. Workers
     serve their own numbers (`pipeline worker --metrics-port`); scrape both.
     """
+    import signal
     import threading
 
     from prometheus_client import start_http_server
@@ -121,9 +122,12 @@ def metrics_command(port, queues, settings):
     except OSError as e:
         raise Fail(f"cannot serve metrics on port {port}: {e}", EXIT_USAGE) from None
     click.echo(f"serving the ledger's and the broker's metrics at http://0.0.0.0:{port}/metrics", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # `docker stop`, a supervisor: a clean exit
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         server.shutdown()
 
 
