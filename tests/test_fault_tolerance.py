@@ -89,21 +89,23 @@ class Cluster:
         self.logs: dict[int, Path] = {}
 
     # processes
-    def start_worker(self, app: str | None = None, pool: str = "solo", **env) -> subprocess.Popen:
+    def start_worker(self, app: str | None = None, pool: str = "solo", args=(), **env) -> subprocess.Popen:
+        """`pipeline worker ARGS`, or with app a plain `celery -A app worker`."""
         name = f"w{len(self.procs)}"
         if app is None:
-            cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"]
+            cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info", *args]
         else:
             cmd = [sys.executable, "-m", "celery", "-A", app, "worker", f"--pool={pool}", "--concurrency=1",
                    "--loglevel=info", "--without-gossip", "--without-mingle", "--without-heartbeat",
                    "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"]
-        return self._spawn(name, cmd, **env)
+        return self.start_process(name, cmd, **env)
 
     def start_cli(self, *args, **env) -> subprocess.Popen:
         """A `pipeline` command (`run`, `resume`) as a subprocess, to be signalled; its log is kept."""
-        return self._spawn(f"{args[0]}{len(self.procs)}", [sys.executable, "-m", "pipeline.cli", *args], **env)
+        return self.start_process(f"{args[0]}{len(self.procs)}", [sys.executable, "-m", "pipeline.cli", *args], **env)
 
-    def _spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
+    def start_process(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
+        """A process of this cluster (its environment, its log), stopped with the workers."""
         log_path = self.tmp_path / f"{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env={**self.env, **{k: str(v) for k, v in env.items()}}, cwd=REPO,

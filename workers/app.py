@@ -34,6 +34,10 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,  # shards are long: never hoard them
     broker_connection_retry_on_startup=True,
+    # Task events (sent, received, started, succeeded, ...) for Flower and `celery events`:
+    # a few small messages per shard.
+    worker_send_task_events=True,
+    task_send_sent_event=True,
 )
 
 

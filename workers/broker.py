@@ -6,6 +6,7 @@ tasks -> recovery -> broker -> app.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import redis
@@ -37,7 +38,16 @@ def enqueue_shards(settings: Settings, shards: Iterable[tuple[str, int]]) -> Non
 
     with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer:
         for job_id, index in shards:
-            app.send_task(RUN_SHARD, (job_id, index), queue=settings.queue, producer=producer)
+            app.send_task(RUN_SHARD, (job_id, index), queue=settings.queue, producer=producer,
+                          argsrepr=shard_repr(job_id, index))
+
+
+def shard_repr(job_id: str, index: int) -> str:
+    """How a shard task's arguments read in Flower and in the worker's log (see SHARD_REPR)."""
+    return f"(job_id={job_id!r}, shard={index})"
+
+
+SHARD_REPR = re.compile(r"\(job_id='(?P<job_id>job_[0-9a-f]+)', shard=(?P<shard>\d+)\)")
 
 
 def enqueue_job(settings: Settings, job_id: str, num_shards: int) -> None:
@@ -46,10 +56,11 @@ def enqueue_job(settings: Settings, job_id: str, num_shards: int) -> None:
     enqueue_shards(settings, ((job_id, index) for index in range(num_shards)))
 
 
-def backlog(settings: Settings) -> int:
-    """Messages waiting in the settings' Redis queue (not those delivered and unacknowledged)."""
+def backlog(settings: Settings, queue: str | None = None) -> int:
+    """Messages waiting in a Redis queue, the settings' by default (not those delivered and
+    unacknowledged)."""
     client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        return int(client.llen(settings.queue))
+        return int(client.llen(queue or settings.queue))
     finally:
         client.close()

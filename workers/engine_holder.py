@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from pipeline.config import EngineConfig
+from workers.metrics import EngineObserver
 
 
 class EngineHolder:
@@ -102,7 +103,7 @@ class EngineHolder:
         from pipeline.engine_loop import EngineLoop
         self._building = True
         try:
-            self._loop, self._config = EngineLoop(lambda: Engine(config)), config
+            self._loop, self._config = EngineLoop(lambda: Engine(config), observer=EngineObserver()), config
         finally:
             self._building = False
 

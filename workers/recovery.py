@@ -40,7 +40,7 @@ from jobs.finalize import finalize_job, refinalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.settings import Settings
-from workers import broker
+from workers import broker, metrics
 from workers.shard_runner import commit_error_rows
 
 log = logging.getLogger(__name__)
@@ -166,18 +166,23 @@ def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, w
         shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
         if shard is None or shard.status != ShardStatus.RUNNING:
             return False
-        attempt, last_worker = shard.attempt, shard.worker
+        attempt, last_worker, num_requests = shard.attempt, shard.worker, shard.num_requests
         if not ledger.take_over_expired(s, job_id, index, attempt, worker, lease_s):
             return False  # another reaper, or the worker came back to life
+        model = ledger.get_job(s, job_id).model
     error = (f"the shard's worker stopped responding on each of its {max_attempts} attempts "
              f"(last: {last_worker}); the shard is given up")
     log.warning("recovery: shard %s/%d: %s", job_id, index, error)
     tmp = JobPaths(root, job_id).tmp_result(index, attempt, by_reaper=True)
     try:
-        return commit_error_rows(Session, root, job_id, index, attempt, error, tmp_path=tmp)
+        committed = commit_error_rows(Session, root, job_id, index, attempt, error, tmp_path=tmp)
     except (OSError, ValueError) as e:  # the input shard is gone or unreadable: no rows to write
         with Session() as s:
-            return ledger.fail_shard(s, job_id, index, attempt, f"{error}; reading its input failed: {e}")
+            committed, num_requests = ledger.fail_shard(s, job_id, index, attempt,
+                                                        f"{error}; reading its input failed: {e}"), 0
+    if committed:
+        metrics.count_given_up_shard(model, num_requests)
+    return committed
 
 
 def _send(enqueue: Enqueue, shards: list[tuple[str, int]], report: dict) -> None:

@@ -3,6 +3,8 @@
 Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
 comes from `engine_provider(options)` (a context manager holding the process's engine
 for the shard: workers.engine_holder), so importing this module imports no torch either.
+What a shard commits is counted in workers.metrics; its log records name the attempt
+(workers.logs).
 Several shards may run at once in one process (threads): each is leased, generated and
 committed on its own, and their requests share the engine's batches.
 
@@ -13,6 +15,7 @@ caller re-enqueues it. `pipeline run` never calls it: Ctrl-C there cancels the j
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -32,6 +35,7 @@ from jobs.shards import read_shard
 from jobs.spec import RequestSpec
 from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampling_params import SamplingParams
+from workers import logs, metrics
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ def shutting_down() -> bool:
     return _shutdown.is_set()
 
 
+@metrics.runs_shards
 def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
     engine_provider: Callable[[dict], AbstractContextManager], worker_name: str, lease_s: float = 60,
@@ -89,6 +94,7 @@ def run_shard(
             busy = shard is not None and shard.status == ShardStatus.RUNNING
             return ShardOutcome.BUSY if busy else ShardOutcome.SKIPPED
         job = ledger.get_job(s, job_id)
+    logs.bind_attempt(attempt)
     paths = JobPaths(root, job_id)
     specs = read_shard(paths.input_shard(index))
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
@@ -114,6 +120,7 @@ def run_shard(
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
         if not _commit(Session, paths, job_id, index, attempt, rows, status):
             return ShardOutcome.LOST
+        metrics.count_results(rows, job.model)
     finally:
         lease.stop()
     finalize_job(Session, root, job_id)
@@ -258,8 +265,9 @@ class _LeaseKeeper:
     def __init__(self, Session, job_id: str, index: int, attempt: int, lease_s: float):
         self.lost = threading.Event()
         self._stop = threading.Event()
+        context = contextvars.copy_context()   # its log records are about the shard too
         self._thread = threading.Thread(
-            target=self._run, args=(Session, job_id, index, attempt, lease_s),
+            target=context.run, args=(self._run, Session, job_id, index, attempt, lease_s),
             name=f"lease-{job_id}-{index}", daemon=True)
         self._thread.start()
 

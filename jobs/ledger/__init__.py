@@ -29,7 +29,8 @@ Decisions:
 The package: models (tables, JobStatus, ShardStatus), database (engines, sessions,
 migrations), job_states (the job state machine), shard_leases (claim, renew, release,
 commit, fail), recovery_queries (the reaper's and reconciler's steps), conditional (the
-conditional UPDATE they all use). Callers import from `jobs.ledger` itself.
+conditional UPDATE they all use), progress_queries (read-only counts for monitoring).
+Callers import from `jobs.ledger` itself.
 """
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
@@ -39,6 +40,7 @@ from jobs.ledger.job_states import (
 from jobs.ledger.models import (
     INPUT_FORMATS, STATS_COLUMNS, Base, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
 )
+from jobs.ledger.progress_queries import jobs_by_status, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
     active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize,
     stale_finalizing_jobs, take_over_expired, touch_queued, unfinalized_jobs,
@@ -49,7 +51,8 @@ __all__ = [
     "INPUT_FORMATS", "STATS_COLUMNS", "Base", "Job", "JobStatus", "Shard", "ShardStatus", "UTCDateTime",
     "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "ensure_schema",
     "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
-    "job_counts", "list_jobs", "make_engine", "open_sessions", "queued_shards", "release_shard", "renew_lease",
-    "request_cancel", "retake_finalize", "retries_of", "session_factory", "stale_finalizing_jobs",
-    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+    "job_counts", "jobs_by_status", "list_jobs", "live_jobs", "live_shards_by_status", "make_engine",
+    "open_sessions", "queued_shards", "release_shard", "renew_lease", "request_cancel", "retake_finalize",
+    "retries_of", "session_factory", "stale_finalizing_jobs", "take_over_expired", "touch_queued",
+    "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
 ]

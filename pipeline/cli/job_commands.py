@@ -42,7 +42,7 @@ def submit_command(file, engine_options, shard_size, wait, settings):
 @click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
-@settings_options("shards_in_flight")
+@settings_options("shards_in_flight", "metrics_port")
 def run_command(file, engine_options, shard_size, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
@@ -51,6 +51,7 @@ def run_command(file, engine_options, shard_size, settings):
     cancelled (`pipeline retry JOB --local` runs the rest); a job whose process died
     (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
     """
+    serve_metrics(settings)
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
@@ -78,7 +79,9 @@ def retry_command(job_id, only_failed, local, shard_size, wait, settings):
     from jobs.submission import NothingToRetry, create_retry_job
 
     check_job_id(job_id)
-    if not local:
+    if local:
+        serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
+    else:
         check_broker(settings)
     Session = sessions(settings)
     with Session() as s:
@@ -104,7 +107,7 @@ def retry_command(job_id, only_failed, local, shard_size, wait, settings):
 
 @click.command("resume")
 @click.argument("job_id")
-@settings_options("shards_in_flight")
+@settings_options("shards_in_flight", "metrics_port")
 def resume_command(job_id, settings):
     """Finish an unfinished job here, in place: same job id, no broker or worker needed.
 
@@ -117,6 +120,7 @@ def resume_command(job_id, settings):
     from jobs import ledger
 
     check_job_id(job_id)
+    serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
     Session = sessions(settings)
     with Session() as s:
         job = get_job(s, job_id)
@@ -180,6 +184,18 @@ def get_job(s, job_id: str):
     if job is None:
         raise Fail(f"unknown job {job_id!r} (see `pipeline list`)", EXIT_USAGE)
     return job
+
+
+def serve_metrics(settings: Settings) -> None:
+    """The Prometheus endpoint on settings.metrics_port, if set, for as long as this process runs."""
+    if not settings.metrics_port:
+        return
+    from workers import metrics
+
+    try:
+        metrics.serve(settings.metrics_port)
+    except OSError as e:
+        raise Fail(f"cannot serve metrics on port {settings.metrics_port}: {e}", EXIT_USAGE) from None
 
 
 def check_broker(settings: Settings) -> None:

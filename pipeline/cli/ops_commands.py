@@ -1,12 +1,18 @@
-"""Commands that run the machinery: worker, recover, db upgrade, bench."""
+"""Commands that run the machinery: worker, recover, metrics, db upgrade, bench."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 import click
 
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from pipeline.cli.job_commands import check_broker
+from pipeline.cli.job_commands import check_broker, serve_metrics
 from pipeline.cli.options import engine_options, settings_options
 
 
@@ -15,28 +21,59 @@ from pipeline.cli.options import engine_options, settings_options
               help="Engine processes (prefork), each running one shard at a time; 1 (the default) "
                    "runs one engine in this process with --shards-in-flight shards sharing it.")
 @click.option("--loglevel", default="info", show_default=True)
-@settings_options("broker_url", "shards_in_flight")
+@settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format")
 def worker_command(concurrency, loglevel, settings):
     """Start a Celery worker that runs shards (the engine is built on its first shard).
 
     With one process, its shards in flight are Celery threads that feed one engine, so
-    the next shard's requests run beside the last requests of the one finishing.
+    the next shard's requests run beside the last requests of the one finishing. It sends
+    task events, so Flower (`celery -A workers.app flower`) shows every shard task.
     """
+    made_dir = None
+    if concurrency > 1 and settings.metrics_port:
+        made_dir = _metrics_across_processes()   # before anything imports prometheus_client
+    if settings.log_format == "json":
+        from workers.logs import log_to_stderr_as_json
+        log_to_stderr_as_json()
     from workers.app import app, configure
 
     configure(settings)  # prefork children inherit it
     if concurrency > 1:
         pool, slots = "prefork", concurrency
         if settings.shards_in_flight > 1:
-            click.echo(f"--concurrency {concurrency}: {concurrency} engine processes, one shard each "
-                       f"(--shards-in-flight applies to a single-process worker)", err=True)
+            logging.getLogger(__name__).warning(
+                "--concurrency %d: %d engine processes, one shard each (--shards-in-flight applies to a "
+                "single-process worker)", concurrency, concurrency)
     elif settings.shards_in_flight > 1:
         pool, slots = "threads", settings.shards_in_flight
     else:
         pool, slots = "solo", 1
-    # Workers share nothing but the ledger: no need for gossip, mingle or event heartbeats.
-    app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    serve_metrics(settings)
+    # Workers share nothing but the ledger: no gossip or mingle. Event heartbeats stay on so
+    # that Flower sees the workers alive; --quiet drops the banner, which is not a log line.
+    quiet = ["--quiet"] if settings.log_format == "json" else []
+    try:
+        app.worker_main([*quiet, "worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
+                         "--without-gossip", "--without-mingle"])
+    finally:
+        if made_dir is not None:
+            shutil.rmtree(made_dir, ignore_errors=True)
+
+
+def _metrics_across_processes() -> Path | None:
+    """prometheus_client's multiprocess mode for this worker and the children it forks: each
+    process writes its values to files in PROMETHEUS_MULTIPROC_DIR (a new temporary directory
+    unless it is set), which the parent's endpoint adds up. Left-over files of an earlier run
+    are removed: their values would count twice. Returns the directory if it made one."""
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before its multiprocess mode was chosen")
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = Path(given or tempfile.mkdtemp(prefix="pipeline-metrics-"))
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return None if given else path
 
 
 @click.command("recover")
@@ -55,6 +92,43 @@ def recover_command(settings):
     click.echo(json.dumps(report))
     if report["errors"]:
         raise Fail(f"{len(report['errors'])} recovery step(s) failed (see above)")
+
+
+@click.command("metrics")
+@click.option("--port", default=9401, show_default=True, type=click.IntRange(1, 65535),
+              help="Serve at http://<host>:PORT/metrics.")
+@click.option("--queue", "queues", multiple=True, metavar="QUEUE",
+              help="A broker queue to report (repeatable)  [default: PIPELINE_QUEUE's]")
+@settings_options("broker_url")
+def metrics_command(port, queues, settings):
+    """Serve the ledger's and the broker's numbers for Prometheus until stopped.
+
+    Shards waiting per queue, jobs by status, and for each job that has not ended its
+    requests completed and failed and its shards by status, read at each scrape. Workers
+    serve their own numbers (`pipeline worker --metrics-port`); scrape both.
+    """
+    import signal
+    import threading
+
+    from prometheus_client import start_http_server
+
+    from jobs import ledger
+    from workers.exporter import registry_for
+
+    # Read-only: never migrates the ledger (a missing schema shows as pipeline_ledger_up 0).
+    Session = ledger.session_factory(ledger.make_engine(settings.database_url))
+    try:
+        server, _ = start_http_server(port, registry=registry_for(settings, Session, queues))
+    except OSError as e:
+        raise Fail(f"cannot serve metrics on port {port}: {e}", EXIT_USAGE) from None
+    click.echo(f"serving the ledger's and the broker's metrics at http://0.0.0.0:{port}/metrics", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # `docker stop`, a supervisor: a clean exit
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
 
 
 @click.group("db")

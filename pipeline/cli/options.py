@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from jobs.settings import Settings, default, env_var
+from jobs.settings import LOG_FORMATS, Settings, default, env_var
 from pipeline.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
 
 _SETTING_OPTIONS = {
@@ -26,6 +26,11 @@ _SETTING_OPTIONS = {
     "shards_in_flight": dict(decls=("--shards-in-flight",), type=click.IntRange(min=1), show_default=True,
                              help="Most shards one engine runs at once, sharing its batches (each starts "
                                   "once the batch has room), so that it never runs dry between shards."),
+    "metrics_port": dict(decls=("--metrics-port",), type=click.IntRange(0, 65535), metavar="PORT",
+                         help="Serve Prometheus metrics at http://<host>:PORT/metrics while it runs  [default: off]"),
+    "log_format": dict(decls=("--log-format",), type=click.Choice(LOG_FORMATS), show_default=True,
+                       help="json: one JSON object a line; records about a shard carry its job_id, shard, "
+                            "attempt and worker."),
     "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }
