@@ -305,6 +305,23 @@ def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cl
     assert {r["worker"] for r in about} == workers
 
 
+def test_a_plain_celery_worker_serves_metrics_too_but_not_a_prefork_one_without_its_directory(
+        sqlite_url, cluster_factory):
+    """`celery -A workers.app worker` reads PIPELINE_METRICS_PORT as `pipeline worker` does; a
+    prefork pool without PROMETHEUS_MULTIPROC_DIR would serve only the parent's numbers, so it
+    serves none and says why."""
+    c = cluster_factory(sqlite_url)
+    solo_port, prefork_port = free_port(), free_port()
+    c.start_worker(app="workers.app", pool="solo", PIPELINE_METRICS_PORT=solo_port)
+    prefork = c.start_worker(app="workers.app", pool="prefork", PIPELINE_METRICS_PORT=prefork_port)
+    samples = wait_until("the solo worker's endpoint", lambda: scrape(solo_port), timeout=60, logs_of=c)
+    assert any(s.name == "process_cpu_seconds_total" for s in samples)
+    wait_until("the prefork worker's refusal", lambda: "needs PROMETHEUS_MULTIPROC_DIR" in c.log(prefork),
+               timeout=60, logs_of=c)
+    with pytest.raises(OSError):
+        scrape(prefork_port)
+
+
 # --- in-process ---------------------------------------------------------------------------------
 
 def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, engines, options):
