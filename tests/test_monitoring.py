@@ -388,7 +388,7 @@ def test_the_engine_observer_sees_every_step_and_preemption(tiny_model_dir):
     labels = {"model": tiny_model_dir.name, "worker": HOST}
     before = (in_process("pipeline_engine_step_seconds_count", **labels),
               in_process("pipeline_preemptions_total", **labels))
-    loop = EngineLoop(engine, observer=metrics.EngineObserver())
+    loop = EngineLoop(lambda: engine, observer=metrics.EngineObserver())
     try:
         import random
         rng = random.Random(1)
