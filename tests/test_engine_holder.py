@@ -76,9 +76,12 @@ def test_a_shard_starts_only_when_the_batch_has_room(options):
         first.start()
         assert _wait(lambda: loop.num_unfinished >= 4)
         assert not loop.has_room
-        holder.wait_for_room(stop=lambda: True)            # told to stop: returns at once
-        holder.wait_for_room(stop=lambda: False)           # blocks until the first shard drains
-        assert len(finished) >= 3 and loop.has_room
+        waits = []
+        with holder.room(stop=lambda: True):                # told to stop: enters at once
+            pass
+        with holder.room(stop=lambda: False, while_waiting=lambda: waits.append(1)):
+            assert len(finished) >= 3 and loop.has_room     # entered once the first shard drained
+        assert waits                                        # and was told it waited
         first.join(60)
     holder.close()
 

@@ -3,7 +3,7 @@
 The engine is wrapped in an EngineLoop, so the shards in flight in this process (the
 worker's threads, or `pipeline run`'s) feed one continuous batch: while one shard's last
 requests drain, the next shard's already run beside them. A shard starts only when the
-batch has room for it (wait_for_room): small shards then run many at a time until the
+batch has room for it (room): small shards then run many at a time until the
 batch is full, large ones about two at a time, and no shard is claimed only to wait.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class EngineHolder:
         self._loop = None
         self._users = 0
         self._switches_pending = 0   # shards waiting for other options than the current engine's
-        self._gate = threading.Lock()   # wait_for_room: one shard at a time
+        self._gate = threading.Lock()   # room: one shard enters at a time
         self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
         self._building = False
 
@@ -70,26 +70,50 @@ class EngineHolder:
                 self._users -= 1
                 self._changed.notify_all()
 
-    def wait_for_room(self, stop: Callable[[], bool], poll_s: float = 0.05, settle_s: float = 2.0) -> None:
-        """Return once the engine's batch has room for another shard's requests (or there
-        is no engine yet, or stop() is true). Shards pass one at a time, each after the one
-        before it has put its requests in (or settle_s passed: it may have had nothing to
-        run), so a batch with room for a few requests does not let in every waiting shard."""
-        with self._gate:
+    @contextlib.contextmanager
+    def room(self, stop: Callable[[], bool], while_waiting: Callable[[], None] | None = None,
+             poll_s: float = 0.05, settle_s: float = 2.0) -> Iterator[None]:
+        """Enter once the engine's batch has room for another shard's requests (or there
+        is no engine yet, or stop() is true); hold it while the shard runs.
+
+        Shards enter one at a time, each after the one before it has put its requests in
+        (or has left: a duplicate that found its shard busy runs nothing), or settle_s
+        passed, so a batch with room for a few requests does not let in every waiting
+        shard. while_waiting() is called every poll while this shard waits (the task keeps
+        its shard's place in the ledger with it)."""
+        left = threading.Event()
+        while not self._gate.acquire(timeout=poll_s):   # shards behind the one in the gate wait too
+            if while_waiting is not None:
+                while_waiting()
+        try:
             while self._settling is not None and self._settling() and not stop():
-                time.sleep(poll_s)
+                self._wait(poll_s, while_waiting)
             while not stop():
                 loop = self._loop
                 if loop is None or not loop.is_serving or loop.has_room:
                     break
-                time.sleep(poll_s)
+                self._wait(poll_s, while_waiting)
             loop = self._loop
             deadline = time.monotonic() + settle_s
             if loop is None:   # the first shard builds the engine: the next waits for that
-                self._settling = lambda: self._building or (self._loop is None and time.monotonic() < deadline)
-                return
-            before = loop.num_unfinished
-            self._settling = lambda: loop.num_unfinished <= before and time.monotonic() < deadline
+                self._settling = lambda: not left.is_set() and (
+                    self._building or (self._loop is None and time.monotonic() < deadline))
+            else:
+                before = loop.num_unfinished
+                self._settling = lambda: (not left.is_set() and loop.num_unfinished <= before
+                                          and time.monotonic() < deadline)
+        finally:
+            self._gate.release()
+        try:
+            yield
+        finally:
+            left.set()
+
+    @staticmethod
+    def _wait(poll_s: float, while_waiting: Callable[[], None] | None) -> None:
+        if while_waiting is not None:
+            while_waiting()
+        time.sleep(poll_s)
 
     def close(self) -> None:
         """Free the engine (its model and KV cache); the next use builds a new one."""

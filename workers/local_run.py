@@ -135,11 +135,12 @@ def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[
     interrupted = threading.Event()
 
     def run(index: int) -> ShardOutcome:
-        engines.wait_for_room(stop=interrupted.is_set)
-        with Session() as s:
-            shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
-        return run_shard(Session, root, job_id, index, engine_provider=engines.use, worker_name=worker,
-                         lease_s=lease_s, max_attempts=shard.attempt - shard.releases + 1, on_result=on_result)
+        with engines.room(stop=interrupted.is_set):
+            with Session() as s:
+                shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
+            return run_shard(Session, root, job_id, index, engine_provider=engines.use, worker_name=worker,
+                             lease_s=lease_s, max_attempts=shard.attempt - shard.releases + 1,
+                             on_result=on_result)
 
     pool = ThreadPoolExecutor(max_workers=shards_in_flight, thread_name_prefix="shard")
     try:

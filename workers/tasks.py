@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
+from collections.abc import Callable
 
 from jobs import ledger
 from workers import broker
@@ -37,13 +39,26 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     the reaper re-enqueues it once the holder's lease expires.
     """
     cfg = settings()
-    # Several shard tasks run at once in a worker (threads); each starts once the engine's
-    # batch has room for it, before it claims its shard (so a waiting shard holds no lease).
-    _engines.wait_for_room(stop=shutting_down)
+    Session = _session_factory(cfg.database_url)
+
+    def run() -> ShardOutcome:
+        return run_shard(Session, cfg.data_dir, job_id, index, engine_provider=_engines.use,
+                         worker_name=f"{self.request.hostname}:{os.getpid()}",
+                         lease_s=cfg.lease_s, max_attempts=cfg.max_attempts)
+
     try:
-        outcome = run_shard(_session_factory(cfg.database_url), cfg.data_dir, job_id, index,
-                            engine_provider=_engines.use, worker_name=f"{self.request.hostname}:{os.getpid()}",
-                            lease_s=cfg.lease_s, max_attempts=cfg.max_attempts)
+        # Several shard tasks run at once in a worker (threads); each claims its shard only
+        # once the engine's batch has room for it, so a waiting shard holds no lease. While
+        # it waits, its shard is queued in the ledger with its message here: it keeps the
+        # shard's queued clock fresh, or the reconciler would take the message for lost.
+        # A duplicate of a shard that is not queued (running, done) does not wait: it goes
+        # straight to run_shard, which finds it busy or skipped.
+        if _keep_queued(Session, job_id, index):
+            keep = _every(cfg.queued_grace_s / 3, lambda: _keep_queued(Session, job_id, index))
+            with _engines.room(stop=shutting_down, while_waiting=keep):
+                outcome = run()
+        else:
+            outcome = run()
     except Exception as exc:
         raise self.retry(exc=exc, countdown=cfg.lease_s + 5, max_retries=cfg.max_attempts + 1)
     if outcome == ShardOutcome.RELEASED:  # this worker is shutting down: hand the shard to another one
@@ -52,3 +67,26 @@ def run_shard_task(self, job_id: str, index: int) -> str:
         except Exception:  # it is queued in the ledger: the reconciler re-enqueues it
             log.warning("re-enqueueing released shard %s/%d failed", job_id, index, exc_info=True)
     return outcome
+
+
+def _keep_queued(Session, job_id: str, index: int) -> bool:
+    """Restart a queued shard's waiting clock (a message for it is here); False if it is
+    not queued. A database hiccup counts as queued: the claim decides anyway."""
+    try:
+        with Session() as s:
+            return ledger.touch_queued(s, job_id, index, 0)
+    except Exception:
+        log.warning("touching queued shard %s/%d failed", job_id, index, exc_info=True)
+        return True
+
+
+def _every(period_s: float, fn: Callable[[], object]) -> Callable[[], None]:
+    """fn, called at most once every period_s seconds (the first call waits a period)."""
+    next_at = time.monotonic() + period_s
+
+    def call() -> None:
+        nonlocal next_at
+        if time.monotonic() >= next_at:
+            next_at = time.monotonic() + period_s
+            fn()
+    return call
