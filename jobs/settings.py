@@ -7,6 +7,7 @@ values only (a broker URL is a string), so this module knows nothing of Celery.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -39,6 +40,10 @@ class Settings:
     # starts once the batch has room): while one drains, the next already runs, so the
     # batch never runs dry at a shard boundary, and small shards fill it together.
     shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 8)
+    # The engines a worker serves: a JSON list of engine-option objects (EngineConfig
+    # fields), e.g. '[{"model": "/models/a"}]'; empty: the default engine. `pipeline worker
+    # --model DIR ...` sets it for the worker it starts. Validated as EngineConfig by the worker (workers.app).
+    worker_engines: str = _setting("PIPELINE_WORKER_ENGINES", "")
     # Port of the Prometheus endpoint of a worker or `pipeline run` (0: none).
     metrics_port: int = _setting("PIPELINE_METRICS_PORT", 0)
     # A worker's log lines: "text" (Celery's) or "json" (one object a line, with the shard's ids).
@@ -49,8 +54,26 @@ class Settings:
         object.__setattr__(self, "data_dir", Path(self.data_dir).resolve())
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
+        self.served_engine_options()   # a malformed PIPELINE_WORKER_ENGINES fails here, at start-up
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"PIPELINE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+
+    def queue_for(self, engine_key: str) -> str:
+        """The broker queue of one engine key (pipeline.engine_key): `<queue>.<key>`, e.g.
+        `pipeline.smollm2-135m-instruct-1a2b3c4d`. Only workers serving that engine consume it."""
+        return f"{self.queue}.{engine_key}"
+
+    def served_engine_options(self) -> list[dict]:
+        """worker_engines as a list of engine-option dicts: [{}] (the default engine) if unset."""
+        if not self.worker_engines.strip():
+            return [{}]
+        try:
+            value = json.loads(self.worker_engines)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"PIPELINE_WORKER_ENGINES is not JSON: {e}") from None
+        if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+            raise ValueError("PIPELINE_WORKER_ENGINES must be a non-empty JSON list of engine-option objects")
+        return value
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Settings":

@@ -18,6 +18,7 @@ from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.shards import read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
+from pipeline.engine_key import engine_key
 from pipeline.request import FinishReason
 
 
@@ -79,6 +80,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         with Session() as s:
             ledger.create_job(
                 s, job_id=job_id, model=model, engine_options=engine_options,
+                engine_key=engine_key(engine_options),
                 input_format=validation.input_format, endpoint=validation.endpoint,
                 input_path=str(Path(path).resolve()), results_path=str(job_paths.results_dir),
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata)
@@ -148,7 +150,7 @@ def create_retry_job(
             raise NothingToRetry(_nothing_to_retry(job_id, only_failed, num_taken, earlier))
         with Session() as s:
             ledger.create_job(
-                s, job_id=new_id, model=old.model, engine_options=old.engine_options,
+                s, job_id=new_id, model=old.model, engine_options=old.engine_options, engine_key=old.engine_key,
                 input_format=old.input_format, endpoint=old.endpoint, input_path=old.input_path,
                 results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
                 completion_window=old.completion_window,

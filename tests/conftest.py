@@ -91,13 +91,22 @@ def bundled_model_dir():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, bundled_model_dir):
     """A 2-layer random Llama in a Hugging Face directory (safetensors + the bundled tokenizer)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), bundled_model_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model_dir(tmp_path_factory, bundled_model_dir):
+    """A second random tiny Llama (other weights, another directory): another engine key."""
+    return make_tiny_model(tmp_path_factory.mktemp("other-tiny-llama"), bundled_model_dir, seed=1)
+
+
+def make_tiny_model(out, bundled_model_dir, seed: int):
     import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     vocab = LlamaConfig.from_pretrained(bundled_model_dir).vocab_size
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **TINY_LLAMA))
     model.save_pretrained(out)

@@ -56,6 +56,23 @@ def test_services_and_their_settings(services):
     assert device["driver"] == "nvidia" and device["count"] == 1 and "gpu" in device["capabilities"]
 
 
+WORKERS = ["worker", "worker-qwen"]
+
+
+def test_one_worker_service_per_model(services):
+    """Two models, two worker services: each serves one engine, so each routes its own jobs."""
+    from pipeline.engine_key import engine_key
+
+    keys = set()
+    for name in WORKERS:
+        command = command_of(services[name])
+        served = resolve(command[1:]).make_context("worker", command[2:]).params
+        model = served["model"][0] if served["model"] else None
+        keys.add(engine_key({"model": model} if model else {}))
+        assert services[name]["deploy"] == services["worker"]["deploy"]   # the same GPU worker otherwise
+    assert len(keys) == len(WORKERS)
+
+
 def test_every_command_exists(services):
     for name, service in services.items():
         command = command_of(service)
@@ -91,7 +108,7 @@ def test_monitoring_services_scrape_the_workers_and_the_exporter(services):
     config = mounts["/etc/prometheus/prometheus.yml"]
     scrape = {job["job_name"]: job for job in yaml.safe_load(config.read_text())["scrape_configs"]}
     (workers,) = scrape["pipeline-workers"]["dns_sd_configs"]   # every replica of the worker service
-    assert (workers["names"], workers["port"]) == (["worker"], worker_port)
+    assert (workers["names"], workers["port"]) == (WORKERS, worker_port)
     assert scrape["pipeline-ledger"]["static_configs"][0]["targets"] == [f"metrics:{exporter_port}"]
     promtool = shutil.which("promtool")
     assert promtool, "promtool (Debian's prometheus package; .ci/run installs it) checks the scrape config"

@@ -42,6 +42,7 @@ from jobs.paths import JobPaths, check_job_id, default_database_url
 from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
+from pipeline.engine_key import engine_key
 from worker_process import BROKER_URL, drop_queue
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,11 +78,14 @@ class Cluster:
                  **env):
         self.tmp_path, self.root, self.db_url, self.broker_url = tmp_path, data_root, db_url, broker_url
         self.model_dir = model_dir
-        self.queue = f"pipeline-ft-{uuid.uuid4().hex[:8]}"
+        self.queue = f"pipeline-ft-{uuid.uuid4().hex[:8]}"   # PIPELINE_QUEUE: its engine queues are under it
+        self.engine_options = {"model": str(model_dir), **FAST}   # the workers serve it, the jobs ask for it
+        self.shard_queue = f"{self.queue}.{engine_key(self.engine_options)}"
         self.env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": db_url,
                     "PIPELINE_BROKER_URL": broker_url, "PIPELINE_QUEUE": self.queue,
                     "PIPELINE_LEASE_SECONDS": str(LEASE_S), "PIPELINE_MAX_ATTEMPTS": "3",
                     "PIPELINE_RECOVERY_INTERVAL": "1", "PIPELINE_QUEUED_GRACE_SECONDS": "3",
+                    "PIPELINE_WORKER_ENGINES": json.dumps([self.engine_options]),
                     "PYTHONPATH": str(REPO), **{k: str(v) for k, v in env.items()}}
         self.engine = make_engine(db_url)
         self.Session = session_factory(self.engine)
@@ -137,7 +141,7 @@ class Cluster:
     def create_job(self, rows: list[dict], shard_size: int) -> str:
         src = write_jsonl(self.tmp_path / f"in-{uuid.uuid4().hex[:6]}.jsonl", rows)
         job_id, _ = create_job_from_file(self.Session, self.root, src, model=str(self.model_dir),
-                                         engine_options={"model": str(self.model_dir), **FAST},
+                                         engine_options=self.engine_options,
                                          shard_size=shard_size)
         return job_id
 
@@ -147,7 +151,7 @@ class Cluster:
 
         with app.connection_for_write(self.broker_url) as conn, conn.Producer() as producer:
             for index in indexes:
-                run_shard_task.apply_async((job_id, index), queue=self.queue, producer=producer)
+                run_shard_task.apply_async((job_id, index), queue=self.shard_queue, producer=producer)
 
     def submit(self, rows: list[dict], shard_size: int) -> str:
         job_id = self.create_job(rows, shard_size)
@@ -182,16 +186,17 @@ class Cluster:
 
     def running_mid_generation(self, job_id: str, together: int = 1):
         """A shard that is running whose lease was renewed at
-        least once after the claim, on a worker that already committed a shard (so its
-        engine is loaded and the shard is really generating). With together=2: a list of
+        least once after the claim, on a worker whose engine is loaded (its log says so, or
+        it committed a shard already), so that the shard is really generating. With together=2: a list of
         two such shards held by the same worker process (its shards in flight), or None."""
         shards = self.shards(job_id)
-        warm = {sh.worker for sh in shards if sh.status == "completed"}
+        warm = {sh.worker.rsplit(":", 1)[1] for sh in shards if sh.status == "completed" and sh.worker}
+        warm |= {str(p.pid) for p in self.procs if " loaded in " in self.log(p)}   # engine loaded at start-up
         by_pid: dict[str, list] = {}
         for sh in shards:
             if (sh.status == "running" and sh.heartbeat_at and sh.started_at
                     and (sh.heartbeat_at - sh.started_at).total_seconds() >= 0.9
-                    and any(w and w.rsplit(":", 1)[1] == sh.worker.rsplit(":", 1)[1] for w in warm)):
+                    and sh.worker.rsplit(":", 1)[1] in warm):
                 if together == 1:
                     return sh
                 by_pid.setdefault(sh.worker.rsplit(":", 1)[1], []).append(sh)
@@ -439,9 +444,9 @@ def test_redis_restart_mid_job_loses_nothing(postgres_url, cluster_factory):
         c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=2)  # takes 2 of the 4 shards: 2 stay queued in Redis
         job_id = c.submit(rows, shard_size=3)
         c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
-        assert redis.Redis.from_url(broker).llen(c.queue) > 0  # messages that the restart will lose
+        assert redis.Redis.from_url(broker).llen(c.shard_queue) > 0  # messages that the restart will lose
         restart_redis()
-        assert redis.Redis.from_url(broker).llen(c.queue) == 0
+        assert redis.Redis.from_url(broker).llen(c.shard_queue) == 0
         job = c.wait_until_ended(job_id)
         assert job.status == "completed" and job.completed_requests == 12
         c.assert_exactly_once(job_id, [r["id"] for r in rows])
@@ -678,7 +683,7 @@ def test_a_pickle_message_is_refused_and_the_worker_keeps_going(sqlite_url, clus
     body = pickle.dumps(((_MakeDirOnUnpickle(str(marker)), 0), {}, {}))
     task_id = str(uuid.uuid4())
     with app.connection_for_write(c.broker_url) as conn, conn.Producer() as producer:
-        producer.publish(body, routing_key=c.queue, exchange="", content_type="application/x-python-serialize",
+        producer.publish(body, routing_key=c.shard_queue, exchange="", content_type="application/x-python-serialize",
                          content_encoding="binary",
                          headers={"lang": "py", "task": "pipeline.run_shard", "id": task_id, "root_id": task_id,
                                   "argsrepr": "(...)", "kwargsrepr": "{}"},
@@ -691,7 +696,7 @@ def test_a_pickle_message_is_refused_and_the_worker_keeps_going(sqlite_url, clus
     assert c.wait_until_ended(job_id).status == "completed"
     c.assert_exactly_once(job_id, ["after"])
     assert not marker.exists() and w.poll() is None
-    assert redis.Redis.from_url(c.broker_url).llen(c.queue) == 0  # not left to be redelivered forever
+    assert redis.Redis.from_url(c.broker_url).llen(c.shard_queue) == 0  # not left to be redelivered forever
 
 
 # --- hostile input ----------------------------------------------------------------------------
@@ -745,7 +750,8 @@ def test_recover_pass_reaps_fails_and_finalizes(db_url, data_root, tmp_path):
     engine = make_engine(db_url)
     Session = session_factory(engine)
     sent: list[tuple[str, int]] = []
-    pass_ = dict(max_attempts=2, queued_grace_s=5, enqueue=sent.extend, backlog=lambda: 0)
+    pass_ = dict(max_attempts=2, queued_grace_s=5, enqueue=lambda key, shards: sent.extend(shards),
+                 backlog=lambda key: 0)
     try:
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(5)])
         job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=2)[0]

@@ -32,6 +32,7 @@ from jobs.ledger import claim_shard, get_job, make_engine, request_cancel, sessi
 from jobs.submission import create_job_from_file
 from pipeline import Engine, EngineConfig, Request
 from pipeline.cli import main
+from pipeline.engine_key import engine_key
 from pipeline.engine_loop import EngineLoop
 from test_compose import dashboard_queries
 from test_engine import greedy, random_prompt
@@ -231,7 +232,7 @@ def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sql
         exported = scrape(exporter_port)
         assert value(exported, "pipeline_ledger_up") == value(exported, "pipeline_broker_up") == 1
         assert value(exported, "pipeline_jobs", status="completed") == 1
-        assert value(exported, "pipeline_queue_messages", queue=c.queue) == 0
+        assert value(exported, "pipeline_queue_messages", queue=c.shard_queue) == 0
 
         # Prometheus scraped both: the numbers it stores are the ledger's
         wait_until("Prometheus to store the job's generated tokens",
@@ -381,7 +382,8 @@ def test_the_reaper_counts_the_shards_it_gives_up(Session, data_root, tmp_path):
         assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
         s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
         s.commit()
-    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=list, backlog=lambda: 0)
+    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=lambda key, shards: None,
+                     backlog=lambda key: 0)
     assert report["exhausted"] == [(job_id, 0)]
     after = (in_process("pipeline_requests_total", model="tiny", worker=HOST, finish_reason="error"),
              in_process("pipeline_shards_total", worker=HOST, outcome="failed"))
@@ -425,7 +427,8 @@ def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_roo
     try:
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(5)])
         job_id, sizes = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=2)
-        enqueue_job(settings, job_id, len(sizes))
+        key = engine_key({})   # engine_options {}: the default engine's
+        enqueue_job(settings, job_id, len(sizes), key)
         other = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=5)[0]
         with Session() as s:
             assert claim_shard(s, other, 0, "w:1", 60, 3) == 1
@@ -435,7 +438,7 @@ def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_roo
             return registry.get_sample_value(name, labels)
 
         assert sample("pipeline_ledger_up") == sample("pipeline_broker_up") == 1
-        assert sample("pipeline_queue_messages", queue=queue) == 3
+        assert sample("pipeline_queue_messages", queue=settings.queue_for(key)) == 3
         assert (sample("pipeline_jobs", status="queued"), sample("pipeline_jobs", status="in_progress"),
                 sample("pipeline_jobs", status="completed")) == (1, 1, 0)
         assert sample("pipeline_job_requests", job_id=job_id) == 5

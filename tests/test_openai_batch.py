@@ -15,14 +15,13 @@ import sys
 import uuid
 
 import pytest
-import redis
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
 from jobs.ledger import get_job, list_jobs, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id, default_database_url
 from jobs.results import read_results
-from worker_process import BROKER_URL, drop_queue, worker
+from worker_process import BROKER_URL, drop_queue, queued_messages, worker
 from pipeline.cli import main
 
 CHAT = "/v1/chat/completions"
@@ -179,7 +178,7 @@ def test_chat_batch_through_a_worker_matches_run_and_the_pipeline_format(runner,
     worker_dir.mkdir()
     env = pipeline_env(worker_dir, pg_url)
     batch_src, ours_src = chat_batch(tmp_path / "batch.jsonl"), chat_pipeline(tmp_path / "ours.jsonl")
-    with worker(env, tmp_path / "worker.log"):
+    with worker(env, tmp_path / "worker.log", "--model", tiny_model_dir, *FAST):
         openai_job = submit_and_wait(env, batch_src, tiny_model_dir)
         ours_job = submit_and_wait(env, ours_src, tiny_model_dir)
     worker_rows = result_rows(worker_dir, openai_job)
@@ -369,4 +368,4 @@ def test_a_file_of_bad_batch_lines_reports_every_line(data_root, db_url, tmp_pat
         assert message in reported[number], (number, reported[number])
     assert f"{len(BAD_LINES)} error(s)" in done.stderr
     assert_nothing_created(runner, data_root, db_url)
-    assert redis.Redis.from_url(BROKER_URL).llen(QUEUE) == 0
+    assert queued_messages(QUEUE) == 0

@@ -54,9 +54,9 @@ def test_worker_runs_every_shard(db_url, data_root, tmp_path, tiny_model_dir):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"Item {i}", "max_tokens": 4}) + "\n" for i in ids))
     env = pipeline_env(data_root, db_url)
-    with worker(env, tmp_path / "worker.log"):
-        job_id = submit_and_wait(env, src, "--model", str(tiny_model_dir), "--shard-size", "4",
-                                 "--kv-cache-gib", "0.05", "--device", "cpu")
+    fast = ["--kv-cache-gib", "0.05", "--device", "cpu"]
+    with worker(env, tmp_path / "worker.log", "--model", tiny_model_dir, *fast):
+        job_id = submit_and_wait(env, src, "--model", str(tiny_model_dir), "--shard-size", "4", *fast)
     job, shards = ledger_state(db_url, job_id)
     assert (job.status, job.total_requests, job.completed_requests, job.failed_requests) == ("completed", 12, 12, 0)
     assert [(sh.status, sh.num_requests, sh.completed_requests) for sh in shards] == [("completed", 4, 4)] * 3
@@ -87,8 +87,9 @@ def test_a_crashing_shard_is_retried_then_recorded_as_errors(data_root, tmp_path
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "Hi", "max_tokens": 2}) + "\n" for i in range(3)))
     env = {**pipeline_env(data_root, db_url), "PIPELINE_LEASE_SECONDS": "1", "PIPELINE_MAX_ATTEMPTS": "2"}
-    with worker(env, tmp_path / "worker.log"):
-        job_id = submit_and_wait(env, src, "--model", str(tmp_path / "missing-model"))
+    missing = tmp_path / "missing-model"
+    with worker(env, tmp_path / "worker.log", "--model", missing):
+        job_id = submit_and_wait(env, src, "--model", str(missing))
     job, (shard,) = ledger_state(db_url, job_id)
     assert (job.status, job.completed_requests, job.failed_requests) == ("completed", 0, 3)
     assert (shard.status, shard.attempt) == ("failed", 2)

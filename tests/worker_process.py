@@ -13,10 +13,11 @@ BROKER_URL = "redis://127.0.0.1:6379/0"
 
 
 @contextlib.contextmanager
-def worker(env, log_path):
-    """A `pipeline worker` subprocess, always stopped afterwards (warm, then forced)."""
+def worker(env, log_path, *args):
+    """A `pipeline worker ARGS` subprocess (e.g. --model DIR: the engine it serves), always
+    stopped afterwards (warm, then forced)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info"],
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info", *map(str, args)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield proc
@@ -30,13 +31,25 @@ def worker(env, log_path):
 
 
 def drop_queue(queue: str, broker_url: str = BROKER_URL) -> None:
-    """The queue, its bindings, and any message of it still held as unacknowledged."""
+    """A PIPELINE_QUEUE's queues (one per engine key, `<queue>.<key>`), their bindings and
+    worker presence sets, and any message of them still held as unacknowledged."""
     with contextlib.suppress(redis.RedisError):
         client = redis.Redis.from_url(broker_url, socket_connect_timeout=2)
-        client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+        names = [queue, *(k.decode() for k in client.scan_iter(match=f"{queue}.*"))]
+        for name in names:
+            client.delete(name, f"_kombu.binding.{name}", f"_kombu.binding_permanent.{name}")
         for tag, raw in client.hscan_iter("unacked"):
             with contextlib.suppress(ValueError, TypeError):
-                if json.loads(raw)[2] == queue:
+                if json.loads(raw)[2] in names:
                     client.hdel("unacked", tag)
                     client.zrem("unacked_index", tag)
+        client.close()
+
+
+def queued_messages(queue: str, broker_url: str = BROKER_URL) -> int:
+    """Messages waiting in a PIPELINE_QUEUE's engine queues."""
+    client = redis.Redis.from_url(broker_url, socket_connect_timeout=2)
+    try:
+        return sum(client.llen(k) for k in client.scan_iter(match=f"{queue}.*") if client.type(k) == b"list")
+    finally:
         client.close()

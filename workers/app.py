@@ -3,6 +3,8 @@
 Its settings (jobs.settings.Settings) are read from the environment when this module is
 imported (`celery -A workers.app`, producers), or given by `pipeline worker` through
 `configure`; tasks and the worker's signal handlers read them from `app.conf.pipeline_settings`.
+A worker consumes only the queues of the engines it serves (one per engine key,
+Settings.queue_for), so a job's shards reach only workers holding its model.
 
 The visibility timeout is how long Redis waits for a delivered message's ack before it
 hands the message to another worker. A shard running longer is delivered again while
@@ -13,8 +15,10 @@ covered by the lease and the reaper (workers.recovery), not by this timeout.
 from __future__ import annotations
 
 from celery import Celery
+from kombu import Queue
 
 from jobs.settings import Settings
+from pipeline.engine_key import engine_key
 from pipeline.host_memory import use_one_malloc_arena
 
 # First, before numpy and pyarrow start their threads: the engine steps in a thread of
@@ -41,13 +45,21 @@ app.conf.update(
 )
 
 
+def served_queues(settings: Settings) -> list[str]:
+    """The queues a worker with these settings consumes: one per engine key it serves."""
+    return [settings.queue_for(engine_key(options)) for options in settings.served_engine_options()]
+
+
 def configure(settings: Settings) -> None:
-    """Point the app at the settings' broker and queue, and keep them for the tasks."""
+    """Point the app at the settings' broker and at the queues of the engines it serves
+    (PIPELINE_WORKER_ENGINES), and keep the settings for the tasks."""
     timeout_s = settings.visibility_timeout_s
+    queues = served_queues(settings)
     app.conf.update(
         pipeline_settings=settings,
         broker_url=settings.broker_url,
-        task_default_queue=settings.queue,
+        task_queues=[Queue(name, routing_key=name) for name in queues],
+        task_default_queue=queues[0],
         broker_transport_options={
             "visibility_timeout": timeout_s,
             # kombu scans for overdue messages every interval * throttle seconds (100 s by

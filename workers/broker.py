@@ -1,4 +1,5 @@
-"""The broker side of a job: is Redis there, send shards to it, how many wait in it.
+"""The broker side of a job: is Redis there, send shards to their engine's queue, how many
+wait in it, which engines live workers serve.
 
 Shards are sent by task name (`app.send_task`), so producers (the CLI, recovery, a
 worker handing back its shard) never import the tasks module: the imports run one way,
@@ -7,6 +8,7 @@ tasks -> recovery -> broker -> app.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 
 import redis
@@ -32,13 +34,14 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
         ) from None
 
 
-def enqueue_shards(settings: Settings, shards: Iterable[tuple[str, int]]) -> None:
-    """Send one shard task per (job_id, index) to the settings' broker and queue."""
+def enqueue_shards(settings: Settings, engine_key: str, shards: Iterable[tuple[str, int]]) -> None:
+    """Send one shard task per (job_id, index) to the queue of engine_key (their jobs' key)."""
     from workers.app import app  # Celery only where a message is sent: recovery imports no Celery
 
+    queue = settings.queue_for(engine_key)
     with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer:
         for job_id, index in shards:
-            app.send_task(RUN_SHARD, (job_id, index), queue=settings.queue, producer=producer,
+            app.send_task(RUN_SHARD, (job_id, index), queue=queue, producer=producer,
                           argsrepr=shard_repr(job_id, index))
 
 
@@ -50,17 +53,58 @@ def shard_repr(job_id: str, index: int) -> str:
 SHARD_REPR = re.compile(r"\(job_id='(?P<job_id>job_[0-9a-f]+)', shard=(?P<shard>\d+)\)")
 
 
-def enqueue_job(settings: Settings, job_id: str, num_shards: int) -> None:
-    """Check the broker, then send every shard of a job."""
+def enqueue_job(settings: Settings, job_id: str, num_shards: int, engine_key: str) -> None:
+    """Check the broker, then send every shard of a job to its engine key's queue."""
     check_broker(settings.broker_url)
-    enqueue_shards(settings, ((job_id, index) for index in range(num_shards)))
+    enqueue_shards(settings, engine_key, ((job_id, index) for index in range(num_shards)))
 
 
-def backlog(settings: Settings, queue: str | None = None) -> int:
-    """Messages waiting in a Redis queue, the settings' by default (not those delivered and
-    unacknowledged)."""
-    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)
+def backlog(settings: Settings, queue: str) -> int:
+    """Messages waiting in a Redis queue (not those delivered and unacknowledged)."""
+    client = _client(settings)
     try:
-        return int(client.llen(queue or settings.queue))
+        return int(client.llen(queue))
     finally:
         client.close()
+
+
+# Which engine keys live workers serve: each worker's main process keeps its node name in
+# one sorted set per key, scored with the time it last said so (workers.lifecycle, every
+# PRESENCE_EVERY_S); a worker silent for PRESENCE_TTL_S counts as gone.
+PRESENCE_EVERY_S = 10.0
+PRESENCE_TTL_S = 35.0
+
+
+def _presence_key(settings: Settings, engine_key: str) -> str:
+    return f"{settings.queue_for(engine_key)}:workers"
+
+
+def announce(settings: Settings, engine_keys: Iterable[str], node: str, *, gone: bool = False) -> None:
+    """Say that worker `node` serves engine_keys (now), or with gone=True that it stopped."""
+    client = _client(settings)
+    try:
+        with client.pipeline() as pipe:
+            for key in engine_keys:
+                name = _presence_key(settings, key)
+                if gone:
+                    pipe.zrem(name, node)
+                else:
+                    pipe.zadd(name, {node: time.time()})
+                    pipe.expire(name, int(PRESENCE_TTL_S * 4))
+            pipe.execute()
+    finally:
+        client.close()
+
+
+def live_workers(settings: Settings, engine_key: str) -> list[str]:
+    """The nodes of the live workers that serve engine_key."""
+    client = _client(settings)
+    try:
+        nodes = client.zrangebyscore(_presence_key(settings, engine_key), time.time() - PRESENCE_TTL_S, "+inf")
+        return sorted(n.decode() for n in nodes)
+    finally:
+        client.close()
+
+
+def _client(settings: Settings) -> redis.Redis:
+    return redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)

@@ -9,58 +9,87 @@ batch is full, large ones about two at a time, and no shard is claimed only to w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 from pipeline.config import EngineConfig
+from pipeline.engine_key import engine_key
+from workers import metrics
 from workers.metrics import EngineObserver
+
+log = logging.getLogger(__name__)
+
+
+class UnservedEngine(RuntimeError):
+    """A shard for an engine this worker was not started for (routing sends none)."""
 
 
 class EngineHolder:
     """Hands out the process's engine loop for a job's engine options (EngineConfig fields).
 
-    Building is lazy (never at import or fork: CUDA must not be initialised in a
-    prefork parent) and happens again only when a shard asks for different options;
-    that shard waits until the shards using the current engine are done, and shards for
-    the current engine that arrive meanwhile wait behind it (no starvation).
+    served: the engine options a worker was started with (`pipeline worker --model DIR
+    ...`), one dict per engine key it serves (pipeline.engine_key). A shard then gets the
+    served engine of its job's key, built with the worker's own options (a job's device
+    or KV budget never resize a worker's engine); without served (`pipeline run`), a job
+    gets an engine built from its own options.
+
+    Building is lazy (never at import or fork: CUDA must not be initialised in a prefork
+    parent; `preload` builds the first served engine on purpose, after the fork) and
+    happens again only when a shard needs another engine: that shard waits until no
+    shard uses the loaded one, and shards for the loaded engine go first meanwhile. While
+    has_work(config) says the loaded engine's queue still holds shards, the switch waits
+    for them too, for at most switch_after_s after the loaded engine fell idle (its
+    shards may not reach this process while the waiting ones fill its task slots).
     """
 
-    def __init__(self):
+    def __init__(self, served: list[dict] | tuple = (), has_work: Callable[[EngineConfig], bool] | None = None,
+                 switch_after_s: float = 10.0):
+        self._served = {engine_key(options): EngineConfig(**options) for options in served}
+        self._has_work, self._switch_after_s = has_work, switch_after_s
         self._changed = threading.Condition()
         self._config: EngineConfig | None = None
         self._loop = None
         self._users = 0
-        self._switches_pending = 0   # shards waiting for other options than the current engine's
+        self._idle_since = time.monotonic()
         self._gate = threading.Lock()   # room: one shard enters at a time
         self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
         self._building = False
 
+    @property
+    def served_keys(self) -> list[str]:
+        return list(self._served)
+
+    def config_for(self, options: dict) -> EngineConfig:
+        """The engine a job with these options runs on here; UnservedEngine if none."""
+        if not self._served:
+            return EngineConfig(**options)
+        key = engine_key(options)
+        if key not in self._served:
+            raise UnservedEngine(f"this worker serves engine(s) {', '.join(self._served)}, not {key}")
+        return self._served[key]
+
+    def preload(self) -> None:
+        """Build the first served engine now (a worker at start-up), not on its first shard."""
+        if self._served:
+            with self.use(dataclasses.asdict(next(iter(self._served.values())))):
+                pass
+
     @contextlib.contextmanager
     def use(self, options: dict) -> Iterator:
         """The engine loop for `options` (building or rebuilding it if needed), held until exit."""
-        config = EngineConfig(**options)
+        config = self.config_for(options)
         with self._changed:
-            registered = False   # as a shard waiting for another engine
-            try:
-                while True:
-                    current = self._loop is not None and self._loop.is_serving and config == self._config
-                    if current and (registered or not self._switches_pending):
-                        break
-                    # Nobody holds the engine: (re)build it if needed; a shard for the current
-                    # engine does not jump ahead of one waiting to switch.
-                    if self._users == 0 and (not current or not self._switches_pending):
-                        if not current:
-                            self._build(config)
-                        break
-                    if not current and not registered:
-                        self._switches_pending += 1
-                        registered = True
-                    self._changed.wait()
-            finally:
-                if registered:
-                    self._switches_pending -= 1
+            while True:
+                if self._loop is not None and self._loop.is_serving and config == self._config:
+                    break   # the loaded engine: it goes first
+                if self._users == 0 and not self._keep_loaded():
+                    self._build(config)
+                    break
+                self._changed.wait(timeout=1.0)   # has_work and the idle time change unannounced
             self._users += 1
             loop = self._loop
         try:
@@ -68,7 +97,21 @@ class EngineHolder:
         finally:
             with self._changed:
                 self._users -= 1
+                if self._users == 0:
+                    self._idle_since = time.monotonic()
                 self._changed.notify_all()
+
+    def _keep_loaded(self) -> bool:
+        """Whether a switch away from the loaded (unused) engine should wait for its queue."""
+        if self._loop is None or not self._loop.is_serving or self._has_work is None:
+            return False
+        if time.monotonic() - self._idle_since >= self._switch_after_s:
+            return False
+        try:
+            return self._has_work(self._config)
+        except Exception:   # the broker is away: do not hold the other shards for it
+            log.warning("asking whether engine %s has work queued failed", self._config, exc_info=True)
+            return False
 
     @contextlib.contextmanager
     def room(self, stop: Callable[[], bool], while_waiting: Callable[[], None] | None = None,
@@ -125,11 +168,16 @@ class EngineHolder:
         self._drop()
         from pipeline.engine import Engine  # torch: only once an engine is really needed
         from pipeline.engine_loop import EngineLoop
+        key = engine_key(dataclasses.asdict(config))
+        log.info("loading engine %s (model %s)", key, config.model or "bundled")   # tests count these
+        start = time.monotonic()
         self._building = True
         try:
             self._loop, self._config = EngineLoop(lambda: Engine(config), observer=EngineObserver()), config
         finally:
             self._building = False
+        metrics.count_engine_load(config.model)
+        log.info("engine %s loaded in %.1f s", key, time.monotonic() - start)
 
     def _drop(self) -> None:
         # Free the old model and KV cache before allocating the new ones.

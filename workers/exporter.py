@@ -27,7 +27,7 @@ class LedgerAndBrokerCollector:
 
     def __init__(self, settings: Settings, Session: sessionmaker[Session], queues: Iterable[str] = ()):
         self.settings, self.Session = settings, Session
-        self.queues = tuple(queues) or (settings.queue,)
+        self.queues = tuple(queues)   # none given: the queues of the engines of the jobs not ended
 
     def collect(self) -> Iterator[Metric]:
         yield from self._broker()
@@ -38,7 +38,7 @@ class LedgerAndBrokerCollector:
         waiting = GaugeMetricFamily("pipeline_queue_messages",
                                     "Shard messages waiting in a broker queue (not yet delivered).", labels=["queue"])
         try:
-            for queue in self.queues:
+            for queue in self.queues or self._engine_queues():
                 waiting.add_metric([queue], broker.backlog(self.settings, queue))
             up.add_metric([], 1)
         except Exception as e:
@@ -48,6 +48,17 @@ class LedgerAndBrokerCollector:
             return
         yield up
         yield waiting
+
+    def _engine_queues(self) -> list[str]:
+        """The default engine's queue and those of the engine keys of jobs that have not ended."""
+        from pipeline.engine_key import engine_key
+        keys = {engine_key({})}
+        try:
+            with self.Session() as s:
+                keys.update(ledger.live_engine_keys(s))
+        except Exception as e:   # the ledger's own gauge says so
+            log.warning("metrics: reading the engine keys failed: %s", _first_line(e))
+        return sorted(self.settings.queue_for(key) for key in keys)
 
     def _ledger(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("pipeline_ledger_up", "1 if the ledger answered this scrape.")

@@ -49,6 +49,7 @@ SHARDS = Counter("pipeline_shards", "Shard runs by outcome (committed ones: comp
                  ("worker", "outcome"))
 PREEMPTIONS = Counter("pipeline_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       LABELS)
+ENGINE_LOADS = Counter("pipeline_engine_loads", "Engines (model and KV cache) built by a worker process.", LABELS)
 RUNNING = Gauge("pipeline_running_sequences", "Sequences in the engine's batch.", LABELS,
                 multiprocess_mode="livesum")
 WAITING = Gauge("pipeline_waiting_sequences", "Sequences waiting for a place in the engine's batch.", LABELS,
@@ -95,6 +96,11 @@ def count_results(rows: list[dict], model: str | None) -> None:
         if row["ttft_s"] is not None:   # it ran and produced tokens (not an error, not cancelled unstarted)
             TIME_TO_FIRST_TOKEN.labels(*labels).observe(row["ttft_s"])
             REQUEST_LATENCY.labels(*labels).observe(row["latency_s"])
+
+
+def count_engine_load(model: str | None) -> None:
+    """An engine was built in this process (a worker builds one per engine it serves)."""
+    ENGINE_LOADS.labels(model_label(model), _worker).inc()
 
 
 def count_given_up_shard(model: str | None, num_error_rows: int) -> None:

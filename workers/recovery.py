@@ -11,9 +11,10 @@ nobody is working on any more although they are not finished:
 * the broker lost messages (Redis restarted without persistence, a publish that failed):
   shards stay queued with no message. The reconciler re-enqueues shards queued longer
   than a grace period, at most once per grace period for all reconcilers together
-  (ledger.touch_queued), and only while the broker's queue is empty, so a long queue
-  of shards that are merely waiting is not flooded with duplicates. Duplicates are
-  harmless anyway: claiming is conditional;
+  (ledger.touch_queued), and only while its engine key's queue is empty, so a long queue
+  of shards that are merely waiting is not flooded with duplicates (a worker holding a
+  shard's message while it waits for room keeps its clock fresh, workers.tasks).
+  Duplicates are harmless anyway: claiming is conditional;
 * a job whose shards all ended but whose finalizer died is finalized here;
   shards of a cancelling job that went back to queued are cancelled;
 * result files of attempts that can never commit are removed from results/_tmp.
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FINALIZE_GRACE_S = 300.0
 
-Enqueue = Callable[[list[tuple[str, int]]], None]
+Enqueue = Callable[[str, list[tuple[str, int]]], None]   # (engine key, shards of jobs with that key)
 
 
 def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, worker_name: str | None = None) -> dict:
@@ -55,18 +56,20 @@ def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, w
     return recover(Session, settings.data_dir, max_attempts=settings.max_attempts,
                    queued_grace_s=settings.queued_grace_s, lease_s=settings.lease_s, worker_name=worker_name,
                    enqueue=functools.partial(broker.enqueue_shards, settings),
-                   backlog=functools.partial(broker.backlog, settings))
+                   backlog=lambda key: broker.backlog(settings, settings.queue_for(key)))
 
 
 def recover(
     Session: sessionmaker[Session], root, *, max_attempts: int, queued_grace_s: float,
-    enqueue: Enqueue, backlog: Callable[[], int], lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
+    enqueue: Enqueue, backlog: Callable[[str], int], lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
     worker_name: str | None = None,
 ) -> dict:
     """One recovery pass over the whole ledger; returns what it did.
 
-    enqueue(shards) sends one task per (job_id, index); backlog() is the number of
-    messages waiting in the broker's queue — the reconciler only runs when it is 0.
+    enqueue(engine_key, shards) sends one task per (job_id, index) to the queue of the
+    jobs' engine key (each shard goes back to the queue of its job's engine, never another);
+    backlog(engine_key) is the number of messages waiting in that queue — the reconciler
+    re-sends a key's shards only when it is 0.
     An enqueue that fails (broker down) is logged and left to a later pass: the shards
     are queued in the ledger, so the reconciler finds them.
 
@@ -88,7 +91,7 @@ def recover(
         with Session() as s:  # queued as of now: no reconciler re-sends them within the grace period
             for job_id, index in requeued:
                 ledger.touch_queued(s, job_id, index, 0)
-    _send(enqueue, requeued, report)
+    _send(Session, enqueue, requeued, report)
     for job_id, index in exhausted:
         try:
             if _fail_exhausted(Session, root, job_id, index, max_attempts, worker_name, lease_s):
@@ -103,18 +106,22 @@ def recover(
         report["cancelled"] = ledger.cancel_orphaned_shards(s)
     touched.update(job_id for job_id, _ in report["cancelled"])
 
-    # (b) the reconciler
-    try:
-        waiting = backlog()
-    except Exception as e:
-        waiting = None
-        report["errors"].append(f"reading the broker's queue length failed: {type(e).__name__}: {e}")
-    if waiting == 0:
-        with Session() as s:
-            lost = [(job_id, index) for job_id, index in ledger.queued_shards(s, older_than_s=queued_grace_s)
-                    if ledger.touch_queued(s, job_id, index, queued_grace_s)]
-        report["reenqueued"] = lost
-        _send(enqueue, lost, report)
+    # (b) the reconciler, per engine key: only the shards of keys whose queue is empty
+    with Session() as s:
+        candidates = ledger.queued_shards(s, older_than_s=queued_grace_s)
+        keys = ledger.engine_keys(s, (job_id for job_id, _ in candidates))
+    idle: dict[str | None, bool] = {}
+    for key in sorted(set(keys.values()), key=str):
+        try:
+            idle[key] = key is not None and backlog(key) == 0
+        except Exception as e:
+            idle[key] = False
+            report["errors"].append(f"reading the queue length of engine {key} failed: {type(e).__name__}: {e}")
+    with Session() as s:
+        lost = [(job_id, index) for job_id, index in candidates
+                if idle[keys.get(job_id)] and ledger.touch_queued(s, job_id, index, queued_grace_s)]
+    report["reenqueued"] = lost
+    _send(Session, enqueue, lost, report)
 
     # (c) jobs nobody finalized: shards all ended, or a finalizer that died half-way
     with Session() as s:
@@ -185,14 +192,23 @@ def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, w
     return committed
 
 
-def _send(enqueue: Enqueue, shards: list[tuple[str, int]], report: dict) -> None:
+def _send(Session, enqueue: Enqueue, shards: list[tuple[str, int]], report: dict) -> None:
+    """Send shards to the queues of their jobs' engine keys."""
     if not shards:
         return
-    try:
-        enqueue(shards)
-    except Exception as e:  # the shards are queued in the ledger: the reconciler sends them later
-        log.warning("recovery: enqueueing %d shard(s) failed: %s", len(shards), e)
-        report["errors"].append(f"enqueueing {len(shards)} shard(s) failed: {type(e).__name__}: {e}")
+    with Session() as s:
+        keys = ledger.engine_keys(s, (job_id for job_id, _ in shards))
+    by_key: dict[str | None, list[tuple[str, int]]] = {}
+    for job_id, index in shards:
+        by_key.setdefault(keys.get(job_id), []).append((job_id, index))
+    for key, group in by_key.items():
+        try:
+            if key is None:
+                raise ValueError("its job has no engine key (its engine options are not valid any more)")
+            enqueue(key, group)
+        except Exception as e:  # the shards are queued in the ledger: the reconciler sends them later
+            log.warning("recovery: enqueueing %d shard(s) failed: %s", len(group), e)
+            report["errors"].append(f"enqueueing {len(group)} shard(s) failed: {type(e).__name__}: {e}")
 
 
 def _guard(report: dict, job_id: str, fn, *args):

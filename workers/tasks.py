@@ -6,6 +6,7 @@ the worker's signal handlers are in workers.lifecycle; producers send this task 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from jobs import ledger
+from pipeline.engine_key import engine_key
 from workers import broker
 from workers.app import app, settings
 from workers.engine_holder import EngineHolder
@@ -20,7 +22,25 @@ from workers.shard_runner import ShardOutcome, run_shard, shutting_down
 
 log = logging.getLogger(__name__)
 
-_engines = EngineHolder()  # empty until the first task: nothing is built in a prefork parent
+
+def _has_work(config) -> bool:
+    """Whether the queue of a served engine still holds shards (EngineHolder's switch rule)."""
+    cfg = settings()
+    return broker.backlog(cfg, cfg.queue_for(engine_key(dataclasses.asdict(config)))) > 0
+
+
+# The engines this worker serves (PIPELINE_WORKER_ENGINES); nothing is built at import, so
+# never in a prefork parent: workers.lifecycle preloads the first after the fork.
+_engines = EngineHolder(served=settings().served_engine_options(), has_work=_has_work)
+
+
+def preload_engine() -> None:
+    """Build this process's first served engine (a worker at start-up, in a thread); a model that
+    fails to load is logged here, and each shard then fails and is retried as before."""
+    try:
+        _engines.preload()
+    except Exception:
+        log.exception("loading the engine at start-up failed; shards will try again")
 
 
 @functools.cache
@@ -63,7 +83,9 @@ def run_shard_task(self, job_id: str, index: int) -> str:
         raise self.retry(exc=exc, countdown=cfg.lease_s + 5, max_retries=cfg.max_attempts + 1)
     if outcome == ShardOutcome.RELEASED:  # this worker is shutting down: hand the shard to another one
         try:
-            broker.enqueue_shards(cfg, [(job_id, index)])
+            with Session() as s:
+                key = ledger.engine_keys(s, [job_id])[job_id]
+            broker.enqueue_shards(cfg, key, [(job_id, index)])
         except Exception:  # it is queued in the ledger: the reconciler re-enqueues it
             log.warning("re-enqueueing released shard %s/%d failed", job_id, index, exc_info=True)
     return outcome

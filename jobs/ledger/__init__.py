@@ -40,18 +40,18 @@ from jobs.ledger.job_states import (
 from jobs.ledger.models import (
     INPUT_FORMATS, STATS_COLUMNS, Base, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
 )
-from jobs.ledger.progress_queries import jobs_by_status, live_jobs, live_shards_by_status
+from jobs.ledger.progress_queries import jobs_by_status, live_engine_keys, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
-    active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize,
+    active_jobs, cancel_orphaned_shards, engine_keys, expired_shards, queued_shards, retake_finalize,
     stale_finalizing_jobs, take_over_expired, touch_queued, unfinalized_jobs,
 )
 from jobs.ledger.shard_leases import claim_shard, commit_shard, fail_shard, release_shard, renew_lease
 
 __all__ = [
     "INPUT_FORMATS", "STATS_COLUMNS", "Base", "Job", "JobStatus", "Shard", "ShardStatus", "UTCDateTime",
-    "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "ensure_schema",
+    "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "engine_keys", "ensure_schema",
     "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
-    "job_counts", "jobs_by_status", "list_jobs", "live_jobs", "live_shards_by_status", "make_engine",
+    "job_counts", "jobs_by_status", "list_jobs", "live_engine_keys", "live_jobs", "live_shards_by_status", "make_engine",
     "open_sessions", "queued_shards", "release_shard", "renew_lease", "request_cancel", "retake_finalize",
     "retries_of", "session_factory", "stale_finalizing_jobs", "take_over_expired", "touch_queued",
     "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",

@@ -15,13 +15,15 @@ def create_job(
     s: Session, *, job_id: str, model: str, engine_options: dict, input_format: str,
     endpoint: str | None, input_path: str, results_path: str, shard_size: int,
     shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
+    engine_key: str | None = None,
 ) -> Job:
-    """Insert a queued job with one queued shard per entry of shard_sizes."""
+    """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
+    the engine its shards need (pipeline.engine_key), which routes them to a queue."""
     paths.check_job_id(job_id)
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
     job = Job(
-        id=job_id, status=JobStatus.QUEUED, model=model, engine_options=engine_options,
+        id=job_id, status=JobStatus.QUEUED, model=model, engine_options=engine_options, engine_key=engine_key,
         input_format=input_format, endpoint=endpoint, input_path=str(input_path),
         results_path=str(results_path), shard_size=shard_size, num_shards=len(shard_sizes),
         completion_window=completion_window, metadata_=metadata,

@@ -60,6 +60,8 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String, index=True)
     model: Mapped[str] = mapped_column(String)
     engine_options: Mapped[dict] = mapped_column(JSON)
+    # The engine the job needs (pipeline.engine_key): its shards go to that key's queue.
+    engine_key: Mapped[str | None] = mapped_column(String, index=True)
     input_format: Mapped[str] = mapped_column(String)
     endpoint: Mapped[str | None] = mapped_column(String)
     input_path: Mapped[str] = mapped_column(String)

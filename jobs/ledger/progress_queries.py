@@ -32,3 +32,11 @@ def live_shards_by_status(s: Session) -> dict[tuple[str, str], int]:
                      .group_by(Shard.job_id, Shard.status)).all()
     s.commit()
     return {(job_id, status): n for job_id, status, n in rows}
+
+
+def live_engine_keys(s: Session) -> list[str]:
+    """The engine keys of the jobs that have not ended (the queues their shards wait in)."""
+    keys = s.scalars(select(Job.engine_key).distinct()
+                     .where(Job.status.not_in(JobStatus.terminal()), Job.engine_key.is_not(None))).all()
+    s.commit()
+    return sorted(keys)

@@ -149,3 +149,11 @@ def active_jobs(s: Session) -> list[str]:
     ids = list(s.scalars(select(Job.id).where(Job.status.not_in(JobStatus.terminal())).order_by(Job.id)))
     s.commit()
     return ids
+
+
+def engine_keys(s: Session, job_ids) -> dict[str, str | None]:
+    """job id -> the engine key its shards are routed by (None for a job that has none)."""
+    ids = sorted(set(job_ids))
+    rows = s.execute(select(Job.id, Job.engine_key).where(Job.id.in_(ids))).all() if ids else []
+    s.commit()
+    return dict(rows)

@@ -1,6 +1,7 @@
 """Commands that make or end jobs: submit, run, retry, resume, cancel."""
 from __future__ import annotations
 
+import shlex
 import time
 
 import click
@@ -229,15 +230,47 @@ def _create_job(Session, settings: Settings, file, engine_options: dict, shard_s
 
 
 def _enqueue_or_abandon(Session, settings: Settings, job_id: str, sizes: list[int]) -> None:
-    """Send the job's shards; if that fails the job can never run, so it is failed at once."""
+    """Send the job's shards to its engine's queue; if that fails the job can never run, so
+    it is failed at once. Warn when no live worker serves that engine."""
+    from jobs import ledger
     from jobs.finalize import abandon_job
     from workers.broker import enqueue_job
 
+    with Session() as s:
+        job = ledger.get_job(s, job_id)
     try:
-        enqueue_job(settings, job_id, len(sizes))
+        enqueue_job(settings, job_id, len(sizes), job.engine_key)
     except Exception as e:
         abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
         raise Fail(f"job {job_id} failed: enqueueing its shards failed: {e}", EXIT_BROKER) from None
+    if waiting_for_worker(settings, job) is True:
+        click.echo(f"warning: no live worker serves engine {job.engine_key} (model {job.model}): the job's "
+                   f"shards wait in queue {settings.queue_for(job.engine_key)} until one starts, e.g.\n"
+                   f"  {worker_command_for(job.engine_options)}", err=True)
+
+
+def waiting_for_worker(settings: Settings, job) -> bool | None:
+    """Whether a job that has not ended waits for a worker of its engine: no live worker
+    serves its key (None: the broker cannot tell, or the job ended)."""
+    from workers.broker import live_workers
+
+    if job.status in JobStatus.terminal() or not job.engine_key:
+        return None
+    try:
+        return not live_workers(settings, job.engine_key)
+    except Exception:
+        return None
+
+
+def worker_command_for(engine_options: dict) -> str:
+    """The command that starts a worker for a job's engine (its options that pick the engine)."""
+    from pipeline.engine_key import WORKER_FIELDS
+
+    words = ["pipeline", "worker"]
+    for name, value in engine_options.items():
+        if name not in WORKER_FIELDS and value is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def _run_here(Session, settings: Settings, job_id: str, engine_options: dict) -> None:

@@ -1,6 +1,7 @@
 """Commands that run the machinery: worker, recover, metrics, db upgrade, bench."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ import click
 
 from pipeline.cli.errors import EXIT_USAGE, Fail
 from pipeline.cli.job_commands import check_broker, serve_metrics
-from pipeline.cli.options import engine_options, settings_options
+from pipeline.cli.options import engine_options, served_engine_options, settings_options
 
 
 @click.command("worker")
@@ -21,14 +22,25 @@ from pipeline.cli.options import engine_options, settings_options
               help="Engine processes (prefork), each running one shard at a time; 1 (the default) "
                    "runs one engine in this process with --shards-in-flight shards sharing it.")
 @click.option("--loglevel", default="info", show_default=True)
+@served_engine_options
 @settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format")
-def worker_command(concurrency, loglevel, settings):
-    """Start a Celery worker that runs shards (the engine is built on its first shard).
+def worker_command(concurrency, loglevel, served_engines, settings):
+    """Start a Celery worker that runs the shards of jobs for its engine, loaded at start-up.
+
+    A worker serves one engine: --model DIR with the engine options given (the bundled
+    model by default; or PIPELINE_WORKER_ENGINES). It consumes only that engine's queue,
+    `<PIPELINE_QUEUE>.<engine key>` (the key `pipeline status` shows for a job: model, dtype,
+    quantization and context length), so jobs for other models never make it reload.
+    --device, the KV budget and the batch limits are the worker's own: they apply to every
+    job it runs. --model A --model B serves both, one loaded at a time: it finishes the
+    loaded model's queue before it switches.
 
     With one process, its shards in flight are Celery threads that feed one engine, so
     the next shard's requests run beside the last requests of the one finishing. It sends
     task events, so Flower (`celery -A workers.app flower`) shows every shard task.
     """
+    if served_engines:
+        settings = dataclasses.replace(settings, worker_engines=json.dumps(served_engines))
     made_dir = None
     if concurrency > 1 and settings.metrics_port:
         made_dir = _metrics_across_processes()   # before anything imports prometheus_client
@@ -98,7 +110,8 @@ def recover_command(settings):
 @click.option("--port", default=9401, show_default=True, type=click.IntRange(1, 65535),
               help="Serve at http://<host>:PORT/metrics.")
 @click.option("--queue", "queues", multiple=True, metavar="QUEUE",
-              help="A broker queue to report (repeatable)  [default: PIPELINE_QUEUE's]")
+              help="A broker queue to report (repeatable)  [default: the queues of the default engine and "
+                   "of the engines of the jobs not ended]")
 @settings_options("broker_url")
 def metrics_command(port, queues, settings):
     """Serve the ledger's and the broker's numbers for Prometheus until stopped.

@@ -84,8 +84,8 @@ _ENGINE_OPTIONS = {
 _SCALARS = {"str": str, "int": int, "float": float}
 
 
-def _engine_option(field):
-    extra = dict(_ENGINE_OPTIONS.get(field.name, {}))
+def _engine_option(field, overrides: dict | None = None):
+    extra = {**_ENGINE_OPTIONS.get(field.name, {}), **(overrides or {})}
     dashed = field.name.replace("_", "-")
     base = field.type.split("|")[0].strip()  # "int | None" -> "int" (annotations are strings here)
     if base == "bool":
@@ -104,16 +104,41 @@ def engine_options(f):
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        opts = {name: value for name in names if (value := kwargs.pop(name)) is not None}
-        if "model" in opts and Path(opts["model"]).exists():
-            opts["model"] = str(Path(opts["model"]).resolve())  # workers may run elsewhere
-        try:
-            EngineConfig(**opts)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
+        opts = _checked({name: value for name in names if (value := kwargs.pop(name)) is not None})
         return f(*args, engine_options=opts, **kwargs)
 
+    return _with_engine_options(wrapper)
+
+
+def served_engine_options(f):
+    """engine_options for a worker: --model may be given several times (one engine each, the
+    other options shared), passed as `served_engines`, a list of option dicts ([] if none given)."""
+    names = [field.name for field in fields(EngineConfig) if field.name != "model"]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        models = kwargs.pop("model")
+        shared = {name: value for name in names if (value := kwargs.pop(name)) is not None}
+        served = [_checked({**shared, "model": model}) for model in models] or ([_checked(shared)] if shared else [])
+        return f(*args, served_engines=served, **kwargs)
+
+    return _with_engine_options(wrapper, model=dict(
+        multiple=True, help="A Hugging Face model directory to serve (repeatable: one engine at a time, "
+                            "each with the other options)  [default: bundled SmolLM2-135M-Instruct]"))
+
+
+def _checked(opts: dict) -> dict:
+    if "model" in opts and Path(opts["model"]).exists():
+        opts["model"] = str(Path(opts["model"]).resolve())  # workers may run elsewhere
+    try:
+        EngineConfig(**opts)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return opts
+
+
+def _with_engine_options(wrapper, **overrides):
     for field in reversed(fields(EngineConfig)):
         assert field.default is not MISSING, f"EngineConfig.{field.name} needs a default to be an option"
-        wrapper = _engine_option(field)(wrapper)
+        wrapper = _engine_option(field, overrides.get(field.name))(wrapper)
     return wrapper

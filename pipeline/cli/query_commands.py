@@ -8,14 +8,15 @@ import click
 
 from pipeline.cli import render
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from pipeline.cli.job_commands import check_job_id, get_job, sessions
+from jobs.states import JobStatus, ShardStatus
+from pipeline.cli.job_commands import check_job_id, get_job, sessions, waiting_for_worker, worker_command_for
 from pipeline.cli.options import settings_options
 
 
 @click.command("status")
 @click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the OpenAI Batch object (a list without JOB).")
-@settings_options()
+@settings_options("broker_url")
 def status_command(job_id, as_json, settings):
     """Show one job in detail (and what to do next if it is stuck or has requests left), or all recent jobs."""
     from jobs import ledger
@@ -31,20 +32,39 @@ def status_command(job_id, as_json, settings):
         objects = [render.batch(job, counts[job.id]) for job in jobs]
         click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
     elif job_id:
-        render.print_job(jobs[0], counts[job_id], render.next_step(jobs[0], shards, ledger.utcnow()))
+        job, now = jobs[0], ledger.utcnow()
+        held = any(sh.status == ShardStatus.RUNNING and sh.lease_expires_at and sh.lease_expires_at >= now
+                   for sh in shards)
+        if not held and waiting_for_worker(settings, job):
+            render.print_job(job, counts[job_id], f"no live worker serves its engine {job.engine_key}: start one "
+                                                  f"with `{worker_command_for(job.engine_options)}`, or "
+                                                  f"`pipeline resume {job.id}` finishes it here, in place",
+                             waiting=True)
+        else:
+            render.print_job(job, counts[job_id], render.next_step(job, shards, now))
     else:
-        render.print_jobs(jobs)
+        render.print_jobs(jobs, waiting=_waiting_for_workers(settings, jobs))
+
+
+def _waiting_for_workers(settings, jobs) -> set[str]:
+    """The ids of the jobs that no live worker will take (one broker query per engine key)."""
+    by_key: dict[str, list] = {}
+    for job in jobs:
+        if job.status not in JobStatus.terminal() and job.engine_key:
+            by_key.setdefault(job.engine_key, []).append(job)
+    return {job.id for group in by_key.values() if waiting_for_worker(settings, group[0]) for job in group}
 
 
 @click.command("list")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
-@settings_options()
+@settings_options("broker_url")
 def list_command(limit, settings):
     """List the newest jobs."""
     from jobs import ledger
 
     with sessions(settings)() as s:
-        render.print_jobs(ledger.list_jobs(s, limit))
+        jobs = ledger.list_jobs(s, limit)
+    render.print_jobs(jobs, waiting=_waiting_for_workers(settings, jobs))
 
 
 @click.command("results")

@@ -77,7 +77,8 @@ def print_summary(job) -> None:
         click.echo(f"  see the errors: pipeline results {job.id} --export errors.jsonl")
 
 
-def print_jobs(jobs) -> None:
+def print_jobs(jobs, waiting: set[str] = frozenset()) -> None:
+    """A table of jobs; those in `waiting` show that no live worker serves their engine."""
     from rich.console import Console
     from rich.table import Table
 
@@ -86,9 +87,11 @@ def print_jobs(jobs) -> None:
         return
     table = Table("status", "ok/err/total", "created (UTC)", "tok/s", "model")
     table.columns[-1].overflow = "ellipsis"
+    table.columns[0].no_wrap = True   # "queued (no worker)" reads as one
     table.add_column("job", min_width=20, no_wrap=True)  # ids must stay whole to be copied
     for job in jobs:
-        table.add_row(job.status, f"{job.completed_requests}/{job.failed_requests}/{job.total_requests}",
+        status = f"{job.status} (no worker)" if job.id in waiting else job.status
+        table.add_row(status, f"{job.completed_requests}/{job.failed_requests}/{job.total_requests}",
                       f"{job.created_at:%Y-%m-%d %H:%M}", _num(job.output_tok_s), Path(job.model).name, job.id)
     Console().print(table)
 
@@ -109,12 +112,15 @@ def next_step(job, shards, now) -> str | None:
     return None
 
 
-def print_job(job, counts: dict, next_step: str | None = None) -> None:
+def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = False) -> None:
+    """One job in detail; waiting: no live worker serves its engine."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table("field", "value", title=f"job {job.id}")
-    rows = [("status", job.status), ("model", job.model), ("input", job.input_path), ("results", job.results_path),
+    status = f"{job.status}, waiting for a worker of its engine" if waiting else job.status
+    rows = [("status", status), ("model", job.model), ("engine", job.engine_key or "-"),
+            ("input", job.input_path), ("results", job.results_path),
             ("requests", f"{job.completed_requests} completed, {job.failed_requests} failed, "
                          f"{job.total_requests} total"),
             ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
