@@ -72,6 +72,14 @@ def test_every_command_exists(services):
         resolve(["no-such-command"])
 
 
+def test_the_api_serves_the_workers_data_on_localhost(services):
+    api = services["api"]
+    assert resolve(command_of(api)[1:]).name == "serve"
+    assert ENV_VARS <= set(api["environment"]) and api["volumes"] == services["worker"]["volumes"]
+    assert api["ports"] == ["127.0.0.1:8000:8000"]
+    assert api["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+
 def test_dockerfile_installs_the_project_and_the_bundled_model():
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text
