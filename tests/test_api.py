@@ -91,7 +91,8 @@ def server(tmp_path_factory, bundled_model_dir):
         while True:
             assert proc.poll() is None, (tmp / "serve.log").read_text()
             try:
-                if httpx.get(f"{base_url}/files", headers={"Authorization": f"Bearer {keys['team-a']}"}).status_code == 200:
+                ready = httpx.get(f"{base_url}/files", headers={"Authorization": f"Bearer {keys['team-a']}"})
+                if ready.status_code == 200:
                     break
             except httpx.TransportError:
                 pass

@@ -51,12 +51,12 @@ from jobs.ledger.recovery_queries import (
 from jobs.ledger.shard_leases import claim_shard, commit_shard, fail_shard, release_shard, renew_lease
 
 __all__ = [
-    "INPUT_FORMATS", "STATS_COLUMNS", "ApiKey", "Base", "File", "Job", "JobStatus", "KeyNameTaken", "Shard",
-    "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "delete_file", "files_of_job",
-    "find_key", "get_file", "jobs_of_key", "list_files", "list_keys", "revoke_key", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "ensure_schema",
-    "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
-    "job_counts", "jobs_by_status", "list_jobs", "live_jobs", "live_shards_by_status", "make_engine",
-    "open_sessions", "queued_shards", "release_shard", "renew_lease", "request_cancel", "retake_finalize",
-    "retries_of", "session_factory", "stale_finalizing_jobs", "take_over_expired", "touch_queued",
-    "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+    "ApiKey", "Base", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
+    "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "cancel_orphaned_shards", "claim_shard",
+    "commit_shard", "create_job", "delete_file", "ensure_schema", "expired_shards", "fail_shard", "files_of_job",
+    "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",
+    "jobs_by_status", "jobs_of_key", "list_files", "list_jobs", "list_keys", "live_jobs", "live_shards_by_status",
+    "make_engine", "open_sessions", "queued_shards", "release_shard", "renew_lease", "request_cancel",
+    "retake_finalize", "retries_of", "revoke_key", "session_factory", "stale_finalizing_jobs",
+    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow"
 ]

@@ -42,8 +42,8 @@ def list_files(s: Session, api_key_id: str | None, *, purpose: str | None = None
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
     if after is not None:
-        cursor = tuple_(File.created_at, File.id)
-        stmt = stmt.where(cursor < (after.created_at, after.id) if newest_first else cursor > (after.created_at, after.id))
+        cursor, at = tuple_(File.created_at, File.id), (after.created_at, after.id)
+        stmt = stmt.where(cursor < at if newest_first else cursor > at)
     rows = list(s.scalars(stmt.order_by(*order).limit(limit).execution_options(populate_existing=True)))
     s.commit()
     return rows
