@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _JOB_ID = re.compile(r"job_[0-9a-f]{16}")
+_FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+FILES_DIR = "files"   # the HTTP API's files, <root>/files/<file id>.jsonl
 RESULT_SHARD_GLOB = "shard-*.parquet"  # the committed results of a job, as readers find them
 # An uncommitted attempt in results/_tmp; ".reaper" marks the error rows a reaper writes.
 _TMP_RESULT = re.compile(r"shard-(\d+)\.attempt-(\d+)(\.reaper)?\.parquet")
@@ -40,6 +42,30 @@ def check_job_id(job_id: str) -> str:
     if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
         raise ValueError(f"invalid job id {job_id!r} (expected job_ + 16 lowercase hex chars)")
     return job_id
+
+
+def new_file_id() -> str:
+    """A fresh id of an HTTP API file: ``file-`` + 24 random hex chars."""
+    return "file-" + secrets.token_hex(12)
+
+
+def check_file_id(file_id: str) -> str:
+    """Return file_id unchanged, or raise ValueError if it is not a well-formed file id."""
+    if not isinstance(file_id, str) or not _FILE_ID.fullmatch(file_id):
+        raise ValueError(f"invalid file id {file_id!r} (expected file- + 24 lowercase hex chars)")
+    return file_id
+
+
+def files_dir(root: Path | str) -> Path:
+    return Path(root).resolve() / FILES_DIR
+
+
+def file_path(root: Path | str, file_id: str) -> Path:
+    """Where the bytes of an HTTP API file live; the id is checked, the path kept under root."""
+    path = files_dir(root) / f"{check_file_id(file_id)}.jsonl"
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise ValueError(f"{path} escapes the data root {root}")
+    return path
 
 
 @dataclass(frozen=True)

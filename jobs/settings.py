@@ -48,6 +48,8 @@ class Settings:
     metrics_port: int = _setting("PIPELINE_METRICS_PORT", 0)
     # A worker's log lines: "text" (Celery's) or "json" (one object a line, with the shard's ids).
     log_format: str = _setting("PIPELINE_LOG_FORMAT", "text")
+    # The largest file `pipeline serve` accepts in one upload (OpenAI's Batch API limit: 200 MB).
+    max_upload_bytes: int = _setting("PIPELINE_MAX_UPLOAD_BYTES", 200 * 1024**2)
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here

@@ -25,15 +25,18 @@ from pipeline.request import FinishReason
 def create_job_from_file(
     Session: sessionmaker[Session], root, path, *, model: str, engine_options: dict,
     shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
+    completion_window: str | None = None, api_key_id: str | None = None,
 ) -> tuple[str, list[int]]:
-    """Validate `path`, shard it under the data root and insert a queued job.
+    """Validate `path`, shard it under the data root and insert a queued job (owned by
+    api_key_id when the HTTP API made it).
 
     Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
     regular file) when the file has errors, creating nothing.
     """
     return _create_job(Session, root, new_job_id(), path, model=model, engine_options=engine_options,
-                       shard_size=shard_size, limits=limits, metadata=metadata)
+                       shard_size=shard_size, limits=limits, metadata=metadata,
+                       completion_window=completion_window, api_key_id=api_key_id)
 
 
 def create_job_from_stream(
@@ -67,7 +70,8 @@ def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20
 
 
 def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
-                limits: spec.Limits, metadata: dict | None) -> tuple[str, list[int]]:
+                limits: spec.Limits, metadata: dict | None, completion_window: str | None = None,
+                api_key_id: str | None = None) -> tuple[str, list[int]]:
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     # write_input_shards validates too, but it does not report the format and endpoint the job needs.
@@ -83,7 +87,8 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 engine_key=engine_key(engine_options),
                 input_format=validation.input_format, endpoint=validation.endpoint,
                 input_path=str(Path(path).resolve()), results_path=str(job_paths.results_dir),
-                shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata)
+                shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
+                completion_window=completion_window, api_key_id=api_key_id)
     except BaseException:
         shutil.rmtree(job_paths.dir, ignore_errors=True)
         raise
@@ -153,7 +158,7 @@ def create_retry_job(
                 s, job_id=new_id, model=old.model, engine_options=old.engine_options, engine_key=old.engine_key,
                 input_format=old.input_format, endpoint=old.endpoint, input_path=old.input_path,
                 results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
-                completion_window=old.completion_window,
+                completion_window=old.completion_window, api_key_id=old.api_key_id,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         shutil.rmtree(new_paths.dir, ignore_errors=True)

@@ -89,6 +89,15 @@ def test_every_command_exists(services):
         resolve(["no-such-command"])
 
 
+def test_the_api_serves_the_workers_data_on_localhost(services):
+    api = services["api"]
+    assert resolve(command_of(api)[1:]).name == "serve"
+    assert ENV_VARS <= set(api["environment"]) and "data:/data" in api["volumes"]
+    assert all("data:/data" in services[name]["volumes"] for name in WORKERS)   # uploads are the workers' input
+    assert api["ports"] == ["127.0.0.1:8000:8000"]
+    assert api["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+
 def test_dockerfile_installs_the_project_and_the_bundled_model():
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text

@@ -29,16 +29,19 @@ Decisions:
 The package: models (tables, JobStatus, ShardStatus), database (engines, sessions,
 migrations), job_states (the job state machine), shard_leases (claim, renew, release,
 commit, fail), recovery_queries (the reaper's and reconciler's steps), conditional (the
-conditional UPDATE they all use), progress_queries (read-only counts for monitoring).
+conditional UPDATE they all use), progress_queries (read-only counts for monitoring),
+api_keys and files (the HTTP API's keys and files).
 Callers import from `jobs.ledger` itself.
 """
+from jobs.ledger.api_keys import KeyNameTaken, add_key, find_key, list_keys, revoke_key
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
-    create_job, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, list_jobs,
+    create_job, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key, list_jobs,
     request_cancel, retries_of, try_finalize,
 )
+from jobs.ledger.files import add_file, delete_file, files_of_job, get_file, list_files
 from jobs.ledger.models import (
-    INPUT_FORMATS, STATS_COLUMNS, Base, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
+    INPUT_FORMATS, STATS_COLUMNS, ApiKey, Base, File, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
 )
 from jobs.ledger.progress_queries import jobs_by_status, live_engine_keys, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
@@ -48,11 +51,12 @@ from jobs.ledger.recovery_queries import (
 from jobs.ledger.shard_leases import claim_shard, commit_shard, fail_shard, release_shard, renew_lease
 
 __all__ = [
-    "INPUT_FORMATS", "STATS_COLUMNS", "Base", "Job", "JobStatus", "Shard", "ShardStatus", "UTCDateTime",
-    "active_jobs", "cancel_orphaned_shards", "claim_shard", "commit_shard", "create_job", "engine_keys", "ensure_schema",
-    "expired_shards", "fail_shard", "finish_job", "get_job", "get_shards", "is_cancelling", "job_as_dict",
-    "job_counts", "jobs_by_status", "list_jobs", "live_engine_keys", "live_jobs", "live_shards_by_status", "make_engine",
-    "open_sessions", "queued_shards", "release_shard", "renew_lease", "request_cancel", "retake_finalize",
-    "retries_of", "session_factory", "stale_finalizing_jobs", "take_over_expired", "touch_queued",
-    "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+    "ApiKey", "Base", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
+    "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "cancel_orphaned_shards", "claim_shard",
+    "commit_shard", "create_job", "delete_file", "engine_keys", "ensure_schema", "expired_shards", "fail_shard", "files_of_job",
+    "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",
+    "jobs_by_status", "jobs_of_key", "list_files", "list_jobs", "list_keys", "live_engine_keys", "live_jobs", "live_shards_by_status",
+    "make_engine", "open_sessions", "queued_shards", "release_shard", "renew_lease", "request_cancel",
+    "retake_finalize", "retries_of", "revoke_key", "session_factory", "stale_finalizing_jobs",
+    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow"
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from jobs import paths
@@ -15,10 +15,11 @@ def create_job(
     s: Session, *, job_id: str, model: str, engine_options: dict, input_format: str,
     endpoint: str | None, input_path: str, results_path: str, shard_size: int,
     shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
-    engine_key: str | None = None,
+    engine_key: str | None = None, api_key_id: str | None = None,
 ) -> Job:
     """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
-    the engine its shards need (pipeline.engine_key), which routes them to a queue."""
+    the engine its shards need (pipeline.engine_key), which routes them to a queue;
+    api_key_id: the API key that owns it, for jobs made through `pipeline serve`."""
     paths.check_job_id(job_id)
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
@@ -26,7 +27,7 @@ def create_job(
         id=job_id, status=JobStatus.QUEUED, model=model, engine_options=engine_options, engine_key=engine_key,
         input_format=input_format, endpoint=endpoint, input_path=str(input_path),
         results_path=str(results_path), shard_size=shard_size, num_shards=len(shard_sizes),
-        completion_window=completion_window, metadata_=metadata,
+        completion_window=completion_window, metadata_=metadata, api_key_id=api_key_id,
         total_requests=sum(shard_sizes),
     )
     s.add(job)
@@ -46,6 +47,17 @@ def get_job(s: Session, job_id: str) -> Job | None:
 def list_jobs(s: Session, limit: int = 50) -> list[Job]:
     """The newest jobs first."""
     stmt = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    jobs = list(s.scalars(stmt.execution_options(populate_existing=True)))
+    s.commit()
+    return jobs
+
+
+def jobs_of_key(s: Session, api_key_id: str, *, after: Job | None = None, limit: int = 20) -> list[Job]:
+    """An API key's jobs, newest first; with `after`, only those older than it (a cursor)."""
+    stmt = select(Job).where(Job.api_key_id == api_key_id)
+    if after is not None:
+        stmt = stmt.where(tuple_(Job.created_at, Job.id) < (after.created_at, after.id))
+    stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
     jobs = list(s.scalars(stmt.execution_options(populate_existing=True)))
     s.commit()
     return jobs

@@ -48,6 +48,7 @@ class UTCDateTime(TypeDecorator):
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
         "pk": "pk_%(table_name)s",
         "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     })
@@ -92,6 +93,8 @@ class Job(Base):
     ttft_p50: Mapped[float | None] = mapped_column(Float)
     ttft_p95: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
+    # The API key whose request created the job (`pipeline serve`); null for CLI jobs.
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
 
 
 class Shard(Base):
@@ -115,3 +118,29 @@ class Shard(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class ApiKey(Base):
+    """A key of the HTTP API (`pipeline keys`): only its SHA-256 is stored; revoked rows stay,
+    so that the jobs and files they owned still name them."""
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    name: Mapped[str] = mapped_column(String, unique=True)
+    key_sha256: Mapped[str] = mapped_column(String, unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class File(Base):
+    """A file of the HTTP API under <data root>/files/: an upload (purpose "batch") or a
+    batch's output or error file (purpose "batch_output", with the job it came from)."""
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    purpose: Mapped[str] = mapped_column(String)
+    filename: Mapped[str] = mapped_column(String)
+    bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)

@@ -31,6 +31,9 @@ _SETTING_OPTIONS = {
     "log_format": dict(decls=("--log-format",), type=click.Choice(LOG_FORMATS), show_default=True,
                        help="json: one JSON object a line; records about a shard carry its job_id, shard, "
                             "attempt and worker."),
+    "max_upload_bytes": dict(decls=("--max-upload-bytes",), type=click.IntRange(min=1), show_default=True,
+                             help="Largest upload `pipeline serve` accepts; a bigger one is refused (413) "
+                                  "and nothing of it is kept."),
     "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }

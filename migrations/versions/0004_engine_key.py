@@ -1,7 +1,7 @@
 """The engine each job needs (pipeline.engine_key): its shards go to that key's queue.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-01
 
 Existing jobs get the key of their recorded engine options, so that recovery and
@@ -12,8 +12,8 @@ from typing import Sequence, Union
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003"
-down_revision: Union[str, Sequence[str], None] = "0002"
+revision: str = "0004"
+down_revision: Union[str, Sequence[str], None] = "0003"
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

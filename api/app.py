@@ -1,0 +1,47 @@
+"""The FastAPI app of `pipeline serve`, and serving it with uvicorn.
+
+What a server is configured with (its model, engine options, shard size, upload limit) is
+what `pipeline submit` takes as options: every batch it creates is a job like one submitted
+from the command line, queued for the same workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from sqlalchemy.orm import Session, sessionmaker
+
+from api import batches, errors, files
+from jobs.settings import Settings
+from jobs.spec import Limits
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    settings: Settings
+    Session: sessionmaker[Session]
+    model: str                      # the jobs' model: batch lines naming another are refused
+    engine_options: dict            # recorded with every job, as `pipeline submit` records them
+    shard_size: int = 256
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return self.settings.max_upload_bytes
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    # No /docs or /openapi.json: nothing is served without a key.
+    app = FastAPI(title="batch-pipeline", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config = config
+    errors.install(app)
+    app.include_router(files.router, prefix="/v1")
+    app.include_router(batches.router, prefix="/v1")
+    return app
+
+
+def serve(config: ServerConfig, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM (uvicorn finishes the requests in flight first)."""
+    import uvicorn
+
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=True)

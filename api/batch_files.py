@@ -1,0 +1,41 @@
+"""A batch's output and error files, written once the batch has ended.
+
+They are the export of `pipeline results --format openai` (jobs.openai_format), written the
+first time anyone looks at the ended batch, under the data root like an upload, and
+recorded as the job's files (purpose "batch_output", owned by the job's key). Their ids are
+derived from the job id, so two requests that both write them end with the same two rows.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from jobs import ledger
+from jobs.openai_format import PIPELINE_ENDPOINT, write_openai_files
+from jobs.paths import JobPaths, file_path
+from jobs.results import iter_result_rows
+
+KINDS = ("output", "error")
+
+
+def output_file_ids(Session, root, job) -> tuple[str, str]:
+    """(output file id, error file id) of an ended job, writing the files if they are not there."""
+    ids = tuple(_file_id(job.id, kind) for kind in KINDS)
+    with Session() as s:
+        have = {f.id for f in ledger.files_of_job(s, job.id)}
+    if set(ids) <= have:
+        return ids
+    paths = [file_path(root, file_id) for file_id in ids]
+    created = int((job.finished_at or job.created_at).timestamp())
+    write_openai_files(iter_result_rows(JobPaths(root, job.id).results_dir), *paths,
+                       endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created,
+                       overwrite=True)
+    with Session() as s:
+        for kind, file_id, path in zip(KINDS, ids, paths):
+            if file_id not in have:
+                ledger.add_file(s, id=file_id, api_key_id=job.api_key_id, purpose="batch_output",
+                                filename=f"{job.id}_{kind}.jsonl", bytes=path.stat().st_size, job_id=job.id)
+    return ids
+
+
+def _file_id(job_id: str, kind: str) -> str:
+    return "file-" + hashlib.sha256(f"{job_id}:{kind}".encode()).hexdigest()[:24]

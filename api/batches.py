@@ -1,0 +1,128 @@
+"""/v1/batches: create a batch (a job made and queued as `pipeline submit` makes and queues
+one), read and list a key's batches, cancel one (as `pipeline cancel` does)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field
+
+from api.auth import caller
+from api.batch_files import output_file_ids
+from api.errors import ApiError, not_found
+from api.files import invalid_input, owned_file, page
+from jobs import ledger, spec
+from jobs.finalize import abandon_job, finalize_job
+from jobs.ledger import JobStatus
+from jobs.openai_format import CHAT, COMPLETIONS, batch_object
+from jobs.paths import check_job_id, file_path
+from jobs.submission import create_job_from_file
+from workers.broker import BrokerUnavailable, check_broker, enqueue_job
+
+router = APIRouter()
+_FILE_NAME = re.compile(r"file-[0-9a-f]{24}\.jsonl")
+
+
+class BatchRequest(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def batch_of(config, job: ledger.Job) -> dict:
+    """The OpenAI Batch object of a job made through the API, with its file ids."""
+    obj = batch_object({**ledger.job_as_dict(job), "total": job.total_requests,
+                        "completed": job.completed_requests, "failed": job.failed_requests})
+    name = Path(job.input_path).name
+    obj["input_file_id"] = name.removesuffix(".jsonl") if _FILE_NAME.fullmatch(name) else None
+    obj["output_file_id"] = obj["error_file_id"] = None
+    if job.status in JobStatus.terminal():
+        obj["output_file_id"], obj["error_file_id"] = output_file_ids(config.Session, config.settings.data_dir, job)
+    return obj
+
+
+def owned_job(request: Request, key: ledger.ApiKey, batch_id: str) -> ledger.Job:
+    """The key's job with that id; 404 if it is malformed, unknown or another key's."""
+    try:
+        check_job_id(batch_id)
+    except ValueError:
+        raise not_found("Batch", batch_id) from None
+    with request.app.state.config.Session() as s:
+        job = ledger.get_job(s, batch_id)
+    if job is None or job.api_key_id != key.id:
+        raise not_found("Batch", batch_id)
+    return job
+
+
+@router.post("/batches")
+def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depends(caller)):
+    config = request.app.state.config
+    if body.endpoint not in (CHAT, COMPLETIONS):
+        raise ApiError(400, f"endpoint must be {CHAT} or {COMPLETIONS}, got {body.endpoint!r}", param="endpoint")
+    if body.completion_window != "24h":
+        raise ApiError(400, f"completion_window must be '24h', got {body.completion_window!r}",
+                       param="completion_window")
+    for k, v in (body.metadata or {}).items():
+        if len(k) > 64 or len(v) > 512:
+            raise ApiError(400, "metadata keys are at most 64 characters, values at most 512", param="metadata")
+    upload = owned_file(request, key, body.input_file_id)
+    if upload.purpose != "batch":
+        raise ApiError(400, f"file {upload.id} has purpose {upload.purpose!r}, not 'batch'", param="input_file_id")
+    path = file_path(config.settings.data_dir, upload.id)
+    validation = spec.validate(path, config.limits, model=config.model)
+    if not validation.ok:   # it was valid when uploaded: only a new --model can make it invalid
+        raise invalid_input(upload.filename, validation, "no batch was created")
+    if validation.endpoint is not None and validation.endpoint != body.endpoint:
+        raise ApiError(400, f"the lines of {upload.id} are for {validation.endpoint}, not {body.endpoint}",
+                       param="endpoint")
+    try:   # before creating anything: no job may wait for a broker that is down
+        check_broker(config.settings.broker_url)
+    except BrokerUnavailable as e:
+        raise ApiError(503, f"the batch queue is unavailable: {e}") from None
+    try:
+        job_id, sizes = create_job_from_file(
+            config.Session, config.settings.data_dir, path, model=config.model, engine_options=config.engine_options,
+            shard_size=config.shard_size, limits=config.limits, metadata=body.metadata,
+            completion_window=body.completion_window, api_key_id=key.id)
+    except spec.InvalidInput as e:
+        raise invalid_input(upload.filename, e.validation, "no batch was created") from None
+    try:
+        with config.Session() as s:
+            key_of_engine = ledger.get_job(s, job_id).engine_key
+        enqueue_job(config.settings, job_id, len(sizes), key_of_engine)
+    except Exception as e:   # the job can never run: it fails at once, as `pipeline submit`'s does
+        abandon_job(config.Session, config.settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
+        raise ApiError(503, f"batch {job_id} failed: enqueueing its shards failed: {e}") from None
+    with config.Session() as s:
+        return batch_of(config, ledger.get_job(s, job_id))
+
+
+@router.get("/batches")
+def list_batches(request: Request, key: ledger.ApiKey = Depends(caller), after: str | None = None,
+                 limit: int = Query(20, ge=1, le=100)):
+    config = request.app.state.config
+    cursor = owned_job(request, key, after) if after else None
+    with config.Session() as s:
+        jobs = ledger.jobs_of_key(s, key.id, after=cursor, limit=limit + 1)
+    return page([batch_of(config, job) for job in jobs[:limit]], has_more=len(jobs) > limit)
+
+
+@router.get("/batches/{batch_id}")
+def retrieve_batch(request: Request, batch_id: str, key: ledger.ApiKey = Depends(caller)):
+    return batch_of(request.app.state.config, owned_job(request, key, batch_id))
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(request: Request, batch_id: str, key: ledger.ApiKey = Depends(caller)):
+    """Queued shards are dropped, running ones stop at their next step; what finished is kept."""
+    config = request.app.state.config
+    job = owned_job(request, key, batch_id)
+    with config.Session() as s:
+        if not ledger.request_cancel(s, job.id) and job.status not in (JobStatus.CANCELLING, JobStatus.CANCELLED):
+            raise ApiError(409, f"Cannot cancel a batch with status {job.status!r}.", param="batch_id")
+    finalize_job(config.Session, config.settings.data_dir, job.id)   # at once when no shard is running
+    with config.Session() as s:
+        return batch_of(config, ledger.get_job(s, job.id))

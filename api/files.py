@@ -1,0 +1,112 @@
+"""/v1/files: upload a batch input file (validated as `pipeline submit` validates), read,
+list, download and delete a key's files."""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import caller
+from api.errors import ApiError, not_found
+from api.uploads import receive_upload
+from jobs import ledger, spec
+from jobs.paths import check_file_id, file_path, new_file_id
+
+router = APIRouter()
+
+
+def file_object(row: ledger.File) -> dict:
+    """The OpenAI FileObject of a file row."""
+    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(row.created_at.timestamp()),
+            "filename": row.filename, "purpose": row.purpose, "status": "processed", "status_details": None,
+            "expires_at": None}
+
+
+def owned_file(request: Request, key: ledger.ApiKey, file_id: str) -> ledger.File:
+    """The key's file with that id; 404 if it is malformed, unknown or another key's."""
+    try:
+        check_file_id(file_id)
+    except ValueError:
+        raise not_found("File", file_id) from None
+    with request.app.state.config.Session() as s:
+        row = ledger.get_file(s, file_id)
+    if row is None or row.api_key_id != key.id:
+        raise not_found("File", file_id)
+    return row
+
+
+def invalid_input(name: str, validation: spec.Validation, what: str) -> ApiError:
+    """The line-numbered errors of a file, as `pipeline submit` prints them, in one error object."""
+    lines = [f"{name}: {validation.num_errors} error(s), {what}:", *map(str, validation.errors)]
+    if validation.num_errors > len(validation.errors):
+        lines.append(f"... and {validation.num_errors - len(validation.errors)} more")
+    first = validation.errors[0] if validation.errors else None
+    return ApiError(400, "\n".join(lines), code="invalid_file", param=f"line {first.line}" if first and first.line
+                    else "file")
+
+
+@router.post("/files")
+async def upload_file(request: Request, key: ledger.ApiKey = Depends(caller)):
+    config = request.app.state.config
+    file_id = new_file_id()
+    path = file_path(config.settings.data_dir, file_id)
+    upload = await receive_upload(request, path, config.max_upload_bytes)
+    try:
+        if upload.fields.get("purpose") != "batch":
+            raise ApiError(400, f"purpose must be 'batch', got {upload.fields.get('purpose')!r} (this server runs "
+                                "batches only)", param="purpose")
+        validation = await run_in_threadpool(spec.validate, path, config.limits, model=config.model)
+        if not validation.ok:
+            raise invalid_input(upload.filename, validation, "nothing was uploaded")
+
+        def record():
+            with config.Session() as s:
+                return ledger.add_file(s, id=file_id, api_key_id=key.id, purpose="batch",
+                                       filename=upload.filename, bytes=upload.size)
+        row = await run_in_threadpool(record)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return file_object(row)
+
+
+@router.get("/files")
+def list_files(request: Request, key: ledger.ApiKey = Depends(caller), purpose: str | None = None,
+               after: str | None = None, limit: int = Query(10000, ge=1, le=10000),
+               order: Literal["asc", "desc"] = "desc"):
+    cursor = owned_file(request, key, after) if after else None
+    with request.app.state.config.Session() as s:
+        rows = ledger.list_files(s, key.id, purpose=purpose, after=cursor, limit=limit + 1,
+                                 newest_first=order == "desc")
+    return page([file_object(row) for row in rows[:limit]], has_more=len(rows) > limit)
+
+
+def page(data: list[dict], *, has_more: bool) -> dict:
+    """A cursor page (the openai client asks for the next one with after=last_id)."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.get("/files/{file_id}")
+def retrieve_file(request: Request, file_id: str, key: ledger.ApiKey = Depends(caller)):
+    return file_object(owned_file(request, key, file_id))
+
+
+@router.get("/files/{file_id}/content")
+def file_content(request: Request, file_id: str, key: ledger.ApiKey = Depends(caller)):
+    row = owned_file(request, key, file_id)
+    # FileResponse streams the file in chunks: a large output file is never held in memory.
+    return FileResponse(file_path(request.app.state.config.settings.data_dir, row.id),
+                        media_type="application/octet-stream", filename=row.filename)
+
+
+@router.delete("/files/{file_id}")
+def delete_file(request: Request, file_id: str, key: ledger.ApiKey = Depends(caller)):
+    config = request.app.state.config
+    row = owned_file(request, key, file_id)
+    with config.Session() as s:
+        ledger.delete_file(s, row.id)
+    file_path(config.settings.data_dir, row.id).unlink(missing_ok=True)
+    return {"id": row.id, "object": "file", "deleted": True}

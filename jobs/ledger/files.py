@@ -1,0 +1,55 @@
+"""The rows of the HTTP API's files (the bytes live under the data root: jobs.paths.file_path)."""
+from __future__ import annotations
+
+from sqlalchemy import delete, select, tuple_
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from jobs.ledger.models import File
+
+
+def add_file(s: Session, **columns) -> File | None:
+    """Insert a file row; None if a row with that id exists (a batch's output files are made
+    by whichever request sees the batch ended first: the others find the row there)."""
+    row = File(**columns)
+    s.add(row)
+    try:
+        s.commit()
+    except IntegrityError:
+        s.rollback()
+        return None
+    return row
+
+
+def get_file(s: Session, file_id: str) -> File | None:
+    row = s.get(File, file_id, populate_existing=True)
+    s.commit()
+    return row
+
+
+def files_of_job(s: Session, job_id: str) -> list[File]:
+    """A batch's output and error files (none until they are written)."""
+    rows = list(s.scalars(select(File).where(File.job_id == job_id).execution_options(populate_existing=True)))
+    s.commit()
+    return rows
+
+
+def list_files(s: Session, api_key_id: str | None, *, purpose: str | None = None, after: File | None = None,
+               limit: int = 100, newest_first: bool = True) -> list[File]:
+    """A key's files, newest first (or oldest), those after `after` in that order only."""
+    order = (File.created_at.desc(), File.id.desc()) if newest_first else (File.created_at, File.id)
+    stmt = select(File).where(File.api_key_id == api_key_id)
+    if purpose:
+        stmt = stmt.where(File.purpose == purpose)
+    if after is not None:
+        cursor, at = tuple_(File.created_at, File.id), (after.created_at, after.id)
+        stmt = stmt.where(cursor < at if newest_first else cursor > at)
+    rows = list(s.scalars(stmt.order_by(*order).limit(limit).execution_options(populate_existing=True)))
+    s.commit()
+    return rows
+
+
+def delete_file(s: Session, file_id: str) -> bool:
+    won = s.execute(delete(File).where(File.id == file_id)).rowcount == 1
+    s.commit()
+    return won

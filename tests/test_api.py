@@ -1,0 +1,322 @@
+"""`pipeline serve` end to end: the real `openai` client against a real server process and a
+real worker (Redis, the bundled model), on one SQLite ledger.
+
+One server and one worker serve the whole module (the engine loads once). Raw responses are
+validated with the openai package's types (the client itself only constructs them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from openai.types import Batch, FileDeleted, FileObject
+from openai.types.chat import ChatCompletion
+from sqlalchemy import text
+
+from jobs.ledger import make_engine
+from pipeline.cli import main
+from worker_process import BROKER_URL, drop_queue, worker
+
+CHAT = "/v1/chat/completions"
+QUEUE = f"pipeline-test-api-{uuid.uuid4().hex[:8]}"
+MAX_UPLOAD = 256 * 1024
+ENDED = ("completed", "failed", "cancelled", "expired")
+TOO_LONG = "word " * 10_000   # over the bundled model's 8192 positions: that request fails
+
+CHATS = {
+    "capital": [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}],
+    "greet": [{"role": "user", "content": "Hello! Who are you?"}],
+    "long": [{"role": "user", "content": TOO_LONG}],
+}
+
+
+def batch_line(custom_id, messages, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT,
+            "body": {"model": "SmolLM2-135M-Instruct", "messages": messages, "temperature": 0, **body}}
+
+
+def jsonl(rows) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root, env, base_url, keys):
+        self.root, self.env, self.base_url, self.keys = root, env, base_url, keys
+
+    def client(self, key: str | None = None) -> OpenAI:
+        return OpenAI(base_url=self.base_url, api_key=key or self.keys["team-a"], max_retries=0, timeout=60)
+
+    def stored_files(self) -> list[str]:
+        """Every name under <data root>/files (hidden temporary uploads too)."""
+        files = self.root / "files"
+        return sorted(p.name for p in files.iterdir()) if files.exists() else []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, bundled_model_dir):
+    tmp = tmp_path_factory.mktemp("api")
+    root = tmp / "data"
+    env = {**os.environ, "PIPELINE_DATA_DIR": str(root), "PIPELINE_BROKER_URL": BROKER_URL,
+           "PIPELINE_QUEUE": QUEUE, "PIPELINE_SHARDS_IN_FLIGHT": "1", "PIPELINE_MAX_UPLOAD_BYTES": str(MAX_UPLOAD)}
+    env.pop("PIPELINE_DATABASE_URL", None)   # the SQLite ledger in the data root
+    from click.testing import CliRunner
+    keys = {}
+    for name in ("team-a", "team-b", "team-c"):
+        done = CliRunner().invoke(main, ["keys", "add", name], env=env)
+        assert done.exit_code == 0, done.output
+        keys[name] = done.stdout.strip()
+    port = free_port()
+    log = open(tmp / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--shard-size", "2",
+                             "--device", "cpu", "--kv-cache-gib", "0.1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base_url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp / "serve.log").read_text()
+            try:
+                ready = httpx.get(f"{base_url}/files", headers={"Authorization": f"Bearer {keys['team-a']}"})
+                if ready.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, (tmp / "serve.log").read_text()
+            time.sleep(0.2)
+        with worker(env, tmp / "worker.log", "--device", "cpu", "--kv-cache-gib", "0.1"):
+            yield Server(root, env, base_url, keys)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        drop_queue(QUEUE)
+
+
+def raw(response) -> dict:
+    """The JSON a with_raw_response call got."""
+    return json.loads(response.text)
+
+
+def wait_until_ended(client: OpenAI, batch_id: str, timeout: float = 300) -> Batch:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = Batch.model_validate(raw(client.batches.with_raw_response.retrieve(batch_id)))
+        if batch.status in ENDED:
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+
+
+def lines_of(client: OpenAI, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def finished(server):
+    """A chat batch of team-a, uploaded, created and run to the end: (input file, batch)."""
+    client = server.client()
+    rows = [batch_line(cid, messages, max_tokens=16) for cid, messages in CHATS.items()]
+    upload = FileObject.model_validate(raw(client.files.with_raw_response.create(
+        file=("nightly.jsonl", jsonl(rows)), purpose="batch")))
+    created = Batch.model_validate(raw(client.batches.with_raw_response.create(
+        input_file_id=upload.id, endpoint=CHAT, completion_window="24h", metadata={"team": "a"})))
+    return upload, created, wait_until_ended(client, created.id)
+
+
+def test_a_chat_batch_runs_end_to_end_through_the_openai_client(server, finished):
+    client = server.client()
+    upload, created, batch = finished
+    assert (upload.object, upload.purpose, upload.filename) == ("file", "batch", "nightly.jsonl")
+    assert upload.bytes == len(jsonl([batch_line(c, m, max_tokens=16) for c, m in CHATS.items()]))
+    assert (created.status, created.input_file_id, created.endpoint) == ("in_progress", upload.id, CHAT)
+    assert created.output_file_id is None and created.metadata == {"team": "a"}
+    assert batch.status == "completed" and batch.id == created.id
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
+    assert batch.created_at <= batch.in_progress_at <= batch.completed_at
+    assert batch.output_file_id and batch.error_file_id and batch.model == "SmolLM2-135M-Instruct"
+
+    ok, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    assert sorted(line["custom_id"] for line in ok) == ["capital", "greet"]
+    output_tokens = 0
+    for line in ok:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = ChatCompletion.model_validate(line["response"]["body"])
+        assert body.choices[0].message.role == "assistant" and body.choices[0].message.content
+        output_tokens += body.usage.completion_tokens
+        if line["custom_id"] == "capital":
+            assert "Paris" in body.choices[0].message.content, body   # greedy, the bundled model
+    assert batch.usage.output_tokens == output_tokens
+    (error,) = errors
+    assert error["custom_id"] == "long" and error["response"] is None
+    assert error["error"]["code"] == "request_failed" and error["error"]["message"]
+
+    output = FileObject.model_validate(raw(client.files.with_raw_response.retrieve(batch.output_file_id)))
+    assert output.purpose == "batch_output" and output.bytes == len(client.files.content(output.id).content)
+    listed = raw(client.files.with_raw_response.list())
+    assert {f["id"] for f in listed["data"]} >= {upload.id, batch.output_file_id, batch.error_file_id}
+    assert all(FileObject.model_validate(f) for f in listed["data"])
+    assert batch.id in {b.id for b in client.batches.list()}
+    # The same batch read twice: the output files are written once, their ids stay.
+    again = client.batches.retrieve(batch.id)
+    assert (again.output_file_id, again.error_file_id) == (batch.output_file_id, batch.error_file_id)
+
+    # The ledger says which key made the job, for SQL users.
+    engine = make_engine(f"sqlite:///{server.root / 'ledger.sqlite'}")
+    with engine.connect() as conn:
+        owner = conn.execute(text("SELECT k.name FROM jobs j JOIN api_keys k ON k.id = j.api_key_id "
+                                  "WHERE j.id = :id"), {"id": batch.id}).scalar_one()
+        hashes = conn.execute(text("SELECT key_sha256 FROM api_keys")).scalars().all()
+    engine.dispose()
+    assert owner == "team-a"
+    assert server.keys["team-a"] not in hashes and len(hashes) == 3   # only hashes are stored
+
+    deleted = FileDeleted.model_validate(raw(client.files.with_raw_response.delete(batch.error_file_id)))
+    assert deleted.deleted and f"{deleted.id}.jsonl" not in server.stored_files()
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(batch.error_file_id)
+
+
+def test_cancel_through_the_client_keeps_the_partial_results(server, finished):
+    client = server.client()
+    warm = [batch_line(f"warm-{i}", [{"role": "user", "content": "Hi"}], max_tokens=4) for i in range(2)]
+    long = [batch_line(f"long-{i}", [{"role": "user", "content": "Tell me a story."}], max_tokens=3000,
+                       ignore_eos=True) for i in range(4)]
+    upload = client.files.create(file=("cancel.jsonl", jsonl(warm + long)), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:   # shard 0: the warm lines
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    cancelling = Batch.model_validate(raw(client.batches.with_raw_response.cancel(batch.id)))
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    batch = wait_until_ended(client, batch.id, timeout=60)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    assert batch.request_counts.completed == 2 and batch.request_counts.total == 6
+    ok = lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in ok) == ["warm-0", "warm-1"]
+    for line in lines_of(client, batch.error_file_id):   # the shard that was running, if one was
+        assert line["custom_id"].startswith("long-") and line["error"]["code"] == "batch_cancelled"
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(finished[2].id)   # a completed batch cannot be cancelled
+
+    # Pagination: one batch a page, newest first, the client following after=last_id.
+    first = client.batches.list(limit=1)
+    assert [b.id for b in first.data] == [batch.id] and first.has_more
+    assert [b.id for b in client.batches.list(limit=1)] == [batch.id, finished[2].id]
+
+
+BAD_ROWS = [batch_line("a", [{"role": "user", "content": "Hi"}]),
+            {**batch_line("b", [{"role": "user", "content": "Hi"}]), "method": "GET"},
+            batch_line("c", [{"role": "user", "content": "Hi"}], n=2),
+            batch_line("d", [{"role": "user", "content": "Hi"}], model="gpt-4o")]
+
+
+def test_a_bad_upload_returns_the_line_numbered_errors_and_keeps_nothing(server):
+    client = server.client()
+    before, files_before = server.stored_files(), {f.id for f in client.files.list()}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("bad.jsonl", jsonl(BAD_ROWS)), purpose="batch")
+    error = e.value.body
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    message = error["message"]
+    assert message.startswith("bad.jsonl: 3 error(s), nothing was uploaded")
+    reported = [line.split(":")[0] for line in message.splitlines()[1:]]
+    assert reported == ["line 2", "line 3", "line 4"], message
+    assert 'method must be "POST"' in message and "n > 1 is not supported" in message
+    assert "model 'gpt-4o' is not the job's model" in message
+    with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
+        client.files.create(file=("ok.jsonl", jsonl(BAD_ROWS[:1])), purpose="fine-tune")
+    assert server.stored_files() == before and {f.id for f in client.files.list()} == files_before
+
+
+def test_another_key_gets_404_for_the_first_keys_batch_and_files(server, finished):
+    upload, _, batch = finished
+    other = server.client(server.keys["team-b"])
+    for call in (lambda: other.batches.retrieve(batch.id), lambda: other.batches.cancel(batch.id),
+                 lambda: other.files.retrieve(upload.id), lambda: other.files.content(upload.id),
+                 lambda: other.files.content(batch.output_file_id), lambda: other.files.delete(upload.id),
+                 lambda: other.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["type"] == "invalid_request_error" and "No such" in e.value.body["message"]
+    assert list(other.batches.list()) == [] and list(other.files.list()) == []
+    # The same answer as for an id that does not exist at all.
+    with pytest.raises(openai.NotFoundError):
+        other.batches.retrieve("job_0000000000000000")
+    assert server.client().files.retrieve(upload.id).id == upload.id   # still there for its owner
+
+
+def test_no_key_a_wrong_key_and_a_revoked_key_get_401(server, finished):
+    from click.testing import CliRunner
+
+    upload, _, batch = finished
+    done = httpx.get(f"{server.base_url}/batches/{batch.id}")
+    assert done.status_code == 401 and done.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base_url}/files", headers={"Authorization": "Basic abc"}).status_code == 401
+    wrong = server.client("sk-pipeline-" + "x" * 43)
+    for call in (wrong.files.list, wrong.batches.list, lambda: wrong.batches.retrieve(batch.id),
+                 lambda: wrong.files.content(upload.id),
+                 lambda: wrong.files.create(file=("x.jsonl", jsonl(BAD_ROWS[:1])), purpose="batch")):
+        with pytest.raises(openai.AuthenticationError):
+            call()
+    revoked = server.client(server.keys["team-c"])
+    assert list(revoked.files.list()) == []
+    runner = CliRunner()
+    done = runner.invoke(main, ["keys", "revoke", "team-c"], env=server.env)
+    assert done.exit_code == 0 and "revoked" in done.stdout, done.output
+    with pytest.raises(openai.AuthenticationError):
+        revoked.files.list()
+    listing = runner.invoke(main, ["keys", "list"], env=server.env).stdout
+    assert "team-c" in listing and "revoked" in listing and server.keys["team-a"] not in listing
+    assert runner.invoke(main, ["keys", "revoke", "team-c"], env=server.env).exit_code == 2
+    assert runner.invoke(main, ["keys", "add", "team-a"], env=server.env).exit_code == 2   # names are unique
+
+
+def test_an_upload_over_the_limit_is_refused_without_writing_a_file(server):
+    client = server.client()
+    before = server.stored_files()
+    def lines(n):
+        return "".join(json.dumps(batch_line(f"big-{i:04d}", [{"role": "user", "content": "x" * 1000}])) + "\n"
+                       for i in range(n))
+
+    size = len(lines(1))
+    big = lines(2 * MAX_UPLOAD // size).encode()
+    with pytest.raises(openai.APIStatusError) as e:   # refused from its Content-Length
+        client.files.create(file=("big.jsonl", big), purpose="batch")
+    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+    assert server.stored_files() == before
+
+    # Chunked, without a Content-Length: stopped once the file passes the limit.
+    boundary = "pipeline-test-boundary"
+
+    def body():
+        yield (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+               f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+               "Content-Type: application/jsonl\r\n\r\n").encode()
+        for start in range(0, len(big), 16384):
+            yield big[start:start + 16384]
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    done = httpx.post(f"{server.base_url}/files", content=body(), timeout=60,
+                      headers={"Authorization": f"Bearer {server.keys['team-a']}",
+                               "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert done.status_code == 413 and done.json()["error"]["code"] == "file_too_large", done.text
+    assert server.stored_files() == before
+    # Just under the limit is accepted (the limit is on the file, not the form around it).
+    fits = lines(MAX_UPLOAD // size - 1)
+    assert client.files.create(file=("fits.jsonl", fits.encode()), purpose="batch").bytes == len(fits)
