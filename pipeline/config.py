@@ -19,9 +19,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"              # auto: cuda when a GPU is visible, else cpu
     quantization: str = "none"
-    kv_cache_gib: float = 1.0
+    # The KV cache's budget; None: 1 GiB on a CPU, on CUDA what gpu_memory_utilization of
+    # the device leaves once the model is loaded (see memory_budget.py).
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None     # None: 64 on a CPU, 256 on CUDA
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None    # None: the model's own context length
     num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
@@ -42,9 +45,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.kv_cache_gib <= 0:
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from pipeline import memory_budget
 from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
 from pipeline.detokenizer import IncrementalDetokenizer
@@ -38,16 +39,17 @@ class Engine:
             pack_linear_layers(self.model)   # CPU float32 and bfloat16; elsewhere it changes nothing
         self.eos_token_ids = self._eos_token_ids()
 
+        self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            config.kv_cache_gib * 2**30, args.num_layers, args.num_kv_heads, args.head_dim,
-            config.block_size, dtype)
+            memory_budget.kv_cache_bytes(config, self.device, args, dtype, self.max_num_seqs),
+            args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, dtype)
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size,
                            num_blocks, dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,
                             args.max_position_embeddings)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.model, kv_cache, self.device)
@@ -123,7 +125,7 @@ class Engine:
     def lookahead(self) -> int:
         """Requests worth keeping queued: as many again as a full batch, so that a finished
         sequence is replaced at once without pulling a huge input in all at once."""
-        return 2 * self.config.max_num_seqs
+        return 2 * self.max_num_seqs
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -23,8 +23,8 @@ from pathlib import Path
 from pipeline.bundled import BUNDLED_NAME
 from pipeline.config import EngineConfig
 
-WORKER_FIELDS = ("device", "kv_cache_gib", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "num_kv_blocks", "pack_weights", "enable_prefix_caching")
+WORKER_FIELDS = ("device", "kv_cache_gib", "gpu_memory_utilization", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "num_kv_blocks", "pack_weights", "enable_prefix_caching")
 
 
 def identity(options: dict) -> dict:

@@ -71,9 +71,13 @@ _ENGINE_OPTIONS = {
                        "[default: auto]"),
     "device": dict(type=click.Choice(DEVICES)),
     "quantization": dict(type=click.Choice(QUANTIZATIONS)),
-    "kv_cache_gib": dict(help="Memory budget of the KV cache."),
+    "kv_cache_gib": dict(help="Memory budget of the KV cache  [default: 1 on a CPU; on CUDA what "
+                              "--gpu-memory-utilization leaves once the model is loaded]"),
+    "gpu_memory_utilization": dict(type=click.FloatRange(0, 1, min_open=True),
+                                   help="CUDA: the share of the GPU's memory the engine may fill (model, "
+                                        "activations, KV cache)  [default: 0.9]"),
     "block_size": dict(help="Tokens in one KV-cache block."),
-    "max_num_seqs": dict(help="Most sequences in one batch."),
+    "max_num_seqs": dict(help="Most sequences in one batch  [default: 64 on a CPU, 256 on CUDA]"),
     "max_num_batched_tokens": dict(help="Most tokens in one engine step."),
     "max_model_len": dict(help="Longest sequence  [default: the model's context length]"),
     "num_kv_blocks": dict(help="KV-cache blocks, instead of the --kv-cache-gib budget."),

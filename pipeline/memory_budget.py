@@ -1,0 +1,61 @@
+"""How much memory the engine gives its KV cache, and how many sequences it batches, per device.
+
+CPU: the budget given (kv_cache_gib, 1 GiB by default). Host memory is shared with the
+rest of the machine, so the engine never takes more than it is told.
+CUDA: the GPU is the engine's. Once the model is loaded, the cache takes what
+gpu_memory_utilization (0.9 by default, as vLLM's) of the device's memory leaves after
+what is in use (weights, the CUDA context, other processes) and a reserve for one
+step's activations; kv_cache_gib, if given, still wins.
+The batch: max_num_seqs, if not given, is 64 on a CPU (a step's cost grows with the batch
+there) and 256 on a GPU (decode is memory-bound: more rows are nearly free).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.config import EngineConfig
+    from pipeline.models.llama import LlamaArgs
+
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}
+
+
+def max_num_seqs(config: EngineConfig, device: torch.device) -> int:
+    return config.max_num_seqs or DEFAULT_MAX_NUM_SEQS.get(device.type, DEFAULT_MAX_NUM_SEQS["cpu"])
+
+
+def kv_cache_bytes(config: EngineConfig, device: torch.device, args: LlamaArgs, dtype: torch.dtype,
+                   num_seqs: int) -> int:
+    """The KV cache's budget in bytes; call it after the model is on the device."""
+    if config.kv_cache_gib is not None:
+        return int(config.kv_cache_gib * 2**30)
+    if device.type != "cuda":
+        return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
+    import torch
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = activation_reserve_bytes(args, config.max_num_batched_tokens, num_seqs, dtype.itemsize)
+    return budget_from_free_memory(free, total, config.gpu_memory_utilization, reserve)
+
+
+def activation_reserve_bytes(args: LlamaArgs, max_num_batched_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
+    """An upper bound of one step's live activations: per packed token its hidden states,
+    residual, attention output and fused QKV (about 4x hidden) and its gate/up and SiLU
+    product (3x intermediate), and float32 logits plus sampling scratch of every row."""
+    per_token = (4 * args.hidden_size + 3 * args.intermediate_size) * dtype_bytes
+    return max_num_batched_tokens * per_token + num_seqs * args.vocab_size * 4 * 2
+
+
+def budget_from_free_memory(free: int, total: int, utilization: float, reserve: int) -> int:
+    """Bytes for the cache: the share of the device the engine may fill, less what is used and the reserve."""
+    budget = int(total * utilization) - (total - free) - reserve
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB is "
+            f"{total * utilization / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} GiB are in use and a step needs "
+            f"about {reserve / 2**30:.2f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, "
+            "or give kv_cache_gib")
+    return budget
