@@ -184,16 +184,21 @@ class Cluster:
     def wait_until_ended(self, job_id: str, timeout: float = WAIT_S):
         return self.wait_for(f"job {job_id} to end", lambda: (job := self.job(job_id)).finished_at and job, timeout)
 
-    def running_mid_generation(self, job_id: str, together: int = 1):
-        """A shard that is running whose lease was renewed at
-        least once after the claim, on a worker whose engine is loaded (its log says so, or
-        it committed a shard already), so that the shard is really generating. With together=2: a list of
-        two such shards held by the same worker process (its shards in flight), or None."""
+    def running_mid_generation(self, job_id: str, together: int = 1, long_from: int | None = None):
+        """A shard that is running whose lease was renewed at least once after the claim, on
+        a worker that already committed a shard (so its engine is loaded and the shard is
+        really generating). With long_from, only shards from that index on (the long ones of
+        warm_then_long) count, on any worker whose log says its engine is loaded: shards
+        then need not wait for a quick one to commit on the same worker. With together=2: a
+        list of two such shards held by the same worker process (its shards in flight), or None."""
         shards = self.shards(job_id)
         warm = {sh.worker.rsplit(":", 1)[1] for sh in shards if sh.status == "completed" and sh.worker}
-        warm |= {str(p.pid) for p in self.procs if " loaded in " in self.log(p)}   # engine loaded at start-up
+        if long_from is not None:
+            warm |= {str(p.pid) for p in self.procs if " loaded in " in self.log(p)}
         by_pid: dict[str, list] = {}
         for sh in shards:
+            if long_from is not None and sh.index < long_from:
+                continue
             if (sh.status == "running" and sh.heartbeat_at and sh.started_at
                     and (sh.heartbeat_at - sh.started_at).total_seconds() >= 0.9
                     and sh.worker.rsplit(":", 1)[1] in warm):
@@ -270,7 +275,7 @@ def test_sigkill_mid_shard_second_worker_finishes_exactly_once(db_url, cluster_f
     workers = [c.start_worker(), c.start_worker()]
     job_id = c.submit(rows, shard_size=3)
     victims = c.wait_for("two shards generating in one worker",
-                         lambda: c.running_mid_generation(job_id, together=2))
+                         lambda: c.running_mid_generation(job_id, together=2, long_from=2))
     a = c.wait_for("the victims' worker process", lambda: _owner(victims[0], workers), timeout=5)
     b = next(p for p in workers if p is not a)
     a.kill()  # SIGKILL: no cleanup, the leases just stop being renewed
@@ -459,8 +464,10 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
     """One shard in flight: shard 0 completes, shard 1 is cancelled mid-generation, shard 2
     never runs; `pipeline retry --wait` then runs every request without an answer once."""
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("c", 4, 8, 500)  # long enough to still run when `pipeline cancel` lands
-    w = c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=1)
+    rows = warm_then_long("c", 4, 8, 500)  # long enough to still run when `pipeline cancel` lands:
+    # two sequences at a time make a shard of four take two rounds of 500 steps
+    w = c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=1,
+                       PIPELINE_WORKER_ENGINES=json.dumps([{**c.engine_options, "max_num_seqs": 2}]))
     job_id = c.submit(rows, shard_size=4)
     victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
     done = c.cli("cancel", job_id)
@@ -623,7 +630,7 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     job_id = c.submit(rows, shard_size=3)
     together = 2 if pool == "threads" else 1
     victims = c.wait_for(f"{together} shard(s) generating in one worker",
-                         lambda: c.running_mid_generation(job_id, together=together))
+                         lambda: c.running_mid_generation(job_id, together=together, long_from=2))
     victims = victims if together > 1 else [victims]
     proc = c.wait_for("the victims' worker process", lambda: _owner(victims[0], [a, b]), timeout=5)
     proc.send_signal(signal.SIGTERM)
