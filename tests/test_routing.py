@@ -107,6 +107,24 @@ def test_a_dead_workers_shard_goes_back_to_its_models_queue(
     assert loads(c, bystander) == 1 and "long-" not in c.log(bystander)
 
 
+def test_one_worker_serves_two_models_one_at_a_time(sqlite_url, cluster_factory, tmp_path, tiny_model_dir,
+                                                     other_tiny_model_dir):
+    """--model A --model B: A is loaded at start-up, B once A's queue is empty; both jobs complete."""
+    c = cluster_factory(sqlite_url)
+    both = c.start_worker(args=["--model", str(tiny_model_dir), "--model", str(other_tiny_model_dir), *FAST_ARGS],
+                          PIPELINE_WORKER_ENGINES="")
+    wait_served(c, both, tiny_model_dir)
+    a_job, _ = submit(c, tmp_path, long_rows("a-", 4, 4), tiny_model_dir, "--shard-size", "2")
+    b_job, warning = submit(c, tmp_path, long_rows("b-", 4, 4), other_tiny_model_dir, "--shard-size", "2")
+    assert "no live worker" not in warning   # it says it serves both
+    for job_id in (a_job, b_job):
+        assert c.wait_until_ended(job_id).status == "completed"
+    log = c.log(both)
+    keys = [engine_key({"model": str(m)}) for m in (tiny_model_dir, other_tiny_model_dir)]
+    assert [line.split("loading engine ")[1].split()[0] for line in log.splitlines() if "loading engine " in line] \
+        == keys   # A, then B once: never back and forth
+
+
 def _messages(c: Cluster, key: str) -> list[bytes]:
     import redis
     return redis.Redis.from_url(c.broker_url).lrange(f"{c.queue}.{key}", 0, -1)

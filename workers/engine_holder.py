@@ -1,4 +1,4 @@
-"""One engine per process, built on first use and shared by every shard running in it.
+"""The engines a process serves, one loaded at a time and shared by every shard running in it.
 
 The engine is wrapped in an EngineLoop, so the shards in flight in this process (the
 worker's threads, or `pipeline run`'s) feed one continuous batch: while one shard's last
@@ -183,10 +183,10 @@ class EngineHolder:
         # Free the old model and KV cache before allocating the new ones.
         if self._loop is None:
             return
-        device = self._config.device
+        device = getattr(self._loop.engine, "device", None)   # what "auto" chose
         self._loop.close()
         self._loop = self._config = None
         gc.collect()
-        if device == "cuda":
+        if device is not None and device.type == "cuda":
             import torch
             torch.cuda.empty_cache()
