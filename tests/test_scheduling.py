@@ -57,7 +57,7 @@ def test_windows_and_priorities_parse():
 def test_a_high_priority_job_starts_at_the_next_shard_boundary(sqlite_url, cluster_factory, tmp_path):
     c = cluster_factory(sqlite_url)
     small_batch_worker(c, in_flight=8)   # reserves 8 low shards: 6 of them wait at the gate
-    low = submit(c, tmp_path, long_rows("low-", 32, 60), "--shard-size", "2", "--priority", "low")
+    low = submit(c, tmp_path, long_rows("low-", 32, 12), "--shard-size", "2", "--priority", "low")
     c.wait_for("the low job to run", lambda: any(sh.status == "running" for sh in c.shards(low)))
     src = write_jsonl(tmp_path / "high.jsonl", long_rows("high-", 2, 4))
     high, sizes = create_job_from_file(c.Session, c.root, src, model=str(c.model_dir),
@@ -77,7 +77,7 @@ def test_a_job_past_its_window_expires_keeping_its_answers_and_retry_runs_the_re
         sqlite_url, cluster_factory, tmp_path):
     c = cluster_factory(sqlite_url)
     small_batch_worker(c, in_flight=2)
-    rows = long_rows("w-", 40, 120)
+    rows = long_rows("w-", 16, 40)
     ids = [r["id"] for r in rows]
     job_id = submit(c, tmp_path, rows, "--shard-size", "2", "--completion-window", "20s")
     assert c.job(job_id).expires_at is not None
@@ -143,3 +143,18 @@ def test_back_pressure_refuses_a_job_and_creates_nothing(sqlite_url, cluster_fac
     result = CliRunner().invoke(main, ["submit", str(src), "--model", str(c.model_dir), *FAST_ARGS],
                                 env={**env, "PIPELINE_MAX_QUEUED_REQUESTS": "8"})
     assert result.exit_code == 0, result.output
+
+
+def test_list_and_status_show_priority_deadline_and_time_left(sqlite_url, tmp_path, data_root):
+    Session = ledger.session_factory(ledger.make_engine(sqlite_url))
+    src = write_jsonl(tmp_path / "in.jsonl", long_rows("d-", 2, 4))
+    job_id, _ = create_job_from_file(Session, data_root, src, model="m", engine_options={}, shard_size=2,
+                                     completion_window="8h", priority="high")
+    env = {"PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": sqlite_url,
+           "COLUMNS": "250"}
+    listed = CliRunner().invoke(main, ["list"], env=env)
+    assert listed.exit_code == 0 and "high" in listed.output and "7h 59m left" in listed.output, listed.output
+    status = CliRunner().invoke(main, ["status", job_id], env=env)
+    assert status.exit_code == 0 and "window 8h" in status.output and "7h 59m left" in status.output, status.output
+    as_json = json.loads(CliRunner().invoke(main, ["status", job_id, "--json"], env=env).output)
+    assert as_json["pipeline"]["priority"] == "high" and as_json["completion_window"] == "8h"

@@ -73,6 +73,7 @@ class Job(Base):
     # jobs.scheduling.PRIORITIES: workers take higher-priority jobs' shards first.
     priority: Mapped[str] = mapped_column(String, default="normal", server_default="normal")
     # The timeout of a request line that gives no timeout_s of its own (None: no timeout).
+    # Stored and copied to retries; not enforced yet (the per-request timeout is to come).
     request_timeout_s: Mapped[float | None] = mapped_column(Float)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

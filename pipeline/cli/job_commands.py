@@ -47,16 +47,13 @@ COMPLETION_WINDOW = click.option(
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @PRIORITY
 @COMPLETION_WINDOW
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-              help="A request still running this long after it started ends with finish_reason "
-                   "timeout (an error row keeping its partial text); a line's own timeout_s wins.")
 @click.option("--wait-for-capacity", is_flag=True,
               help="When PIPELINE_MAX_QUEUED_REQUESTS would be passed, wait until there is room "
                    "instead of refusing the job (exit 4).")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url", "max_queued_requests")
-def submit_command(file, engine_options, shard_size, priority, completion_window, request_timeout,
-                   wait_for_capacity, wait, settings):
+def submit_command(file, engine_options, shard_size, priority, completion_window, wait_for_capacity, wait,
+                   settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -66,7 +63,7 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
     check_broker(settings)  # before creating anything: no job may wait for a broker that is down
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
-                      request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None)
+                      max_queued_requests=settings.max_queued_requests or None)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size, scheduling,
                                 wait_for_capacity=wait_for_capacity)
     _enqueue_or_abandon(Session, settings, job_id, sizes)
