@@ -77,7 +77,7 @@ def test_a_job_past_its_window_expires_keeping_its_answers_and_retry_runs_the_re
         sqlite_url, cluster_factory, tmp_path):
     c = cluster_factory(sqlite_url)
     small_batch_worker(c, in_flight=2)
-    rows = long_rows("w-", 16, 40)
+    rows = long_rows("w-", 24, 40)
     ids = [r["id"] for r in rows]
     job_id = submit(c, tmp_path, rows, "--shard-size", "2", "--completion-window", "20s")
     assert c.job(job_id).expires_at is not None
