@@ -17,7 +17,8 @@ from jobs.finalize import abandon_job, finalize_job
 from jobs.ledger import JobStatus
 from jobs.openai_format import CHAT, COMPLETIONS, batch_object
 from jobs.paths import check_job_id, file_path
-from jobs.submission import create_job_from_file
+from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
+from jobs.submission import OverCapacity, create_job_from_file
 from workers.broker import BrokerUnavailable, check_broker, enqueue_job
 
 router = APIRouter()
@@ -62,9 +63,14 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
     config = request.app.state.config
     if body.endpoint not in (CHAT, COMPLETIONS):
         raise ApiError(400, f"endpoint must be {CHAT} or {COMPLETIONS}, got {body.endpoint!r}", param="endpoint")
-    if body.completion_window != "24h":
-        raise ApiError(400, f"completion_window must be '24h', got {body.completion_window!r}",
-                       param="completion_window")
+    try:   # OpenAI's is always "24h"; shorter (or longer) windows are ours
+        parse_window(body.completion_window)
+    except ValueError as e:
+        raise ApiError(400, f"completion_window: {e}", param="completion_window") from None
+    priority = (body.metadata or {}).get("priority", DEFAULT_PRIORITY)
+    if priority not in PRIORITIES:
+        raise ApiError(400, f"metadata.priority must be one of {', '.join(PRIORITIES)}, got {priority!r}",
+                       param="metadata")
     for k, v in (body.metadata or {}).items():
         if len(k) > 64 or len(v) > 512:
             raise ApiError(400, "metadata keys are at most 64 characters, values at most 512", param="metadata")
@@ -86,13 +92,16 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         job_id, sizes = create_job_from_file(
             config.Session, config.settings.data_dir, path, model=config.model, engine_options=config.engine_options,
             shard_size=config.shard_size, limits=config.limits, metadata=body.metadata,
-            completion_window=body.completion_window, api_key_id=key.id)
+            completion_window=body.completion_window, api_key_id=key.id, priority=priority,
+            max_queued_requests=config.settings.max_queued_requests or None)
     except spec.InvalidInput as e:
         raise invalid_input(upload.filename, e.validation, "no batch was created") from None
+    except OverCapacity as e:
+        raise ApiError(429, f"no batch was created: {e}; try again later", code="rate_limit_exceeded") from None
     try:
         with config.Session() as s:
             key_of_engine = ledger.get_job(s, job_id).engine_key
-        enqueue_job(config.settings, job_id, len(sizes), key_of_engine)
+        enqueue_job(config.settings, job_id, len(sizes), key_of_engine, priority)
     except Exception as e:   # the job can never run: it fails at once, as `pipeline submit`'s does
         abandon_job(config.Session, config.settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
         raise ApiError(503, f"batch {job_id} failed: enqueueing its shards failed: {e}") from None

@@ -1,5 +1,9 @@
 """Ending a job: statistics from its committed results, then its final ledger status.
 
+An expiring job (its completion window passed) ends "expired": first every shard that
+never ran gets one error row per request (jobs.scheduling.expired_error), so each
+request id appears exactly once in the results.
+
 `finalize_job` is called after every shard commit (and after a cancel); only the caller
 that wins ledger.try_finalize does the work. `refinalize_job` finishes a job whose
 finalizer died half-way (workers.recovery calls it). `abandon_job` ends a job that cannot run
@@ -10,9 +14,14 @@ from __future__ import annotations
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger
+from jobs.atomic import replace_durably
 from jobs.ledger import JobStatus, ShardStatus
 from jobs.paths import JobPaths
+from jobs.results import write_shard_tmp
+from jobs.scheduling import expired_error
+from jobs.shards import read_shard
 from jobs.stats import compute_stats, write_stats
+from pipeline.request import FinishReason
 
 
 def finalize_job(Session: sessionmaker[Session], root, job_id: str) -> bool:
@@ -59,6 +68,9 @@ def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
         job = ledger.get_job(s, job_id)
         if job.status == JobStatus.CANCELLING:
             status = JobStatus.CANCELLED
+        elif job.status == JobStatus.EXPIRING:
+            status = JobStatus.EXPIRED
+            _write_expired_rows(s, job_paths, job)
         try:
             wall = (ledger.utcnow() - (job.started_at or job.created_at)).total_seconds()
             stats = compute_stats(job_paths.results_dir, wall)
@@ -68,3 +80,22 @@ def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
             ledger.finish_job(s, job_id, JobStatus.FAILED, None, f"computing the statistics failed: {e}")
             raise
         ledger.finish_job(s, job_id, status, stats, error)
+
+
+def _write_expired_rows(s, job_paths: JobPaths, job) -> None:
+    """Error rows for every shard of an expiring job that ended without results (it never
+    ran). Only the finalizer, which won try_finalize, writes them: no attempt can commit
+    any more, as every shard has ended."""
+    error = expired_error(job.completion_window)
+    for shard in ledger.get_shards(s, job.id):
+        final = job_paths.result_shard(shard.index)
+        if shard.status != ShardStatus.CANCELLED or final.exists():
+            continue
+        rows = [{"id": spec.id, "output": "", "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
+                 "finish_reason": FinishReason.ERROR.value, "error": error, "queue_s": 0.0, "ttft_s": None,
+                 "latency_s": 0.0, "shard": shard.index, "attempt": shard.attempt}
+                for spec in read_shard(job_paths.input_shard(shard.index))]
+        tmp = job_paths.tmp_result(shard.index, 0, by_reaper=True)   # attempt 0: no worker's name
+        write_shard_tmp(rows, tmp)
+        replace_durably(tmp, final)
+        ledger.count_expired_requests(s, job.id, shard.index, len(rows))

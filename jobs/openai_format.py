@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import Iterable
 
 from jobs.atomic import TargetRefused, atomic_write, check_target, same_target
+from jobs.scheduling import error_code
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
@@ -25,7 +26,10 @@ PIPELINE_ENDPOINT = COMPLETIONS
 
 # Our job statuses onto Batch.status. OpenAI has no "queued": a validated batch waiting for
 # capacity is reported "in_progress" there, so ours is too. The rest exist in both.
-_STATUS = {status.value: status.value for status in JobStatus} | {JobStatus.QUEUED.value: JobStatus.IN_PROGRESS.value}
+# "expiring" (ours) is a job wrapping up after its window passed: OpenAI's "finalizing"
+# (batch_object reports any unfinished job past its expires_at as "expired" anyway).
+_STATUS = {status.value: status.value for status in JobStatus} | {
+    JobStatus.QUEUED.value: JobStatus.IN_PROGRESS.value, JobStatus.EXPIRING.value: JobStatus.FINALIZING.value}
 _FINISHED = {status.value for status in JobStatus.terminal()}
 _SUCCESSES = {reason.value for reason in FinishReason if reason.is_success}
 _ERROR_CODES = {FinishReason.ERROR: "request_failed", FinishReason.CANCELLED: "batch_cancelled"}
@@ -44,7 +48,8 @@ def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
     line = {"id": f"batch_req_{digest[:32]}", "custom_id": row["id"]}
     if finish in _ERROR_CODES:
         message = row.get("error") or f"the request was {finish}"
-        return {**line, "response": None, "error": {"code": _ERROR_CODES[finish], "message": message}}
+        code = error_code(row.get("error")) or _ERROR_CODES[finish]
+        return {**line, "response": None, "error": {"code": code, "message": message}}
     if finish not in _SUCCESSES:
         raise ValueError(f"row {row['id']!r}: unknown finish_reason {finish!r}")
     body = _body(row, digest, endpoint=endpoint, model=model, created=created)

@@ -48,6 +48,9 @@ class Settings:
     metrics_port: int = _setting("PIPELINE_METRICS_PORT", 0)
     # A worker's log lines: "text" (Celery's) or "json" (one object a line, with the shard's ids).
     log_format: str = _setting("PIPELINE_LOG_FORMAT", "text")
+    # Most requests queued (in queued shards of live jobs) before `pipeline submit` and
+    # `pipeline serve` refuse a new job (0: no limit): back-pressure for a shared night.
+    max_queued_requests: int = _setting("PIPELINE_MAX_QUEUED_REQUESTS", 0)
     # The largest file `pipeline serve` accepts in one upload (OpenAI's Batch API limit: 200 MB).
     max_upload_bytes: int = _setting("PIPELINE_MAX_UPLOAD_BYTES", 200 * 1024**2)
 

@@ -13,7 +13,9 @@ class _Word(str, Enum):
 
 class JobStatus(_Word):
     """Job lifecycle (OpenAI batch statuses): queued -> in_progress -> finalizing ->
-    completed | failed; cancelling -> cancelled."""
+    completed | failed; cancelling -> cancelled; expiring -> expired (its completion
+    window passed: like a cancel, but every request left without an answer gets an
+    error row; "expiring" is ours, OpenAI's batch reports "expired" already)."""
     QUEUED = "queued"
     IN_PROGRESS = "in_progress"
     FINALIZING = "finalizing"
@@ -21,13 +23,17 @@ class JobStatus(_Word):
     FAILED = "failed"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
-    # Not reached yet: completion windows (a separate issue) will expire unfinished jobs;
-    # batch_object already reports a job past its expires_at as "expired".
+    EXPIRING = "expiring"
     EXPIRED = "expired"
 
     @classmethod
     def terminal(cls) -> frozenset[JobStatus]:
         return _TERMINAL_JOB
+
+    @classmethod
+    def stopping(cls) -> tuple[JobStatus, ...]:
+        """The statuses in which running shards stop at their next step, and none starts."""
+        return (cls.CANCELLING, cls.EXPIRING)
 
     @classmethod
     def live(cls) -> tuple[JobStatus, ...]:

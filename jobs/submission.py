@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import ledger, spec
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
+from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.shards import read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.engine_key import engine_key
@@ -25,10 +26,11 @@ from pipeline.request import FinishReason
 def create_job_from_file(
     Session: sessionmaker[Session], root, path, *, model: str, engine_options: dict,
     shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
-    completion_window: str | None = None, api_key_id: str | None = None,
+    completion_window: str | None = None, api_key_id: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
     """Validate `path`, shard it under the data root and insert a queued job (owned by
-    api_key_id when the HTTP API made it).
+    api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s and
+    max_queued_requests (see _create_job).
 
     Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
@@ -36,12 +38,13 @@ def create_job_from_file(
     """
     return _create_job(Session, root, new_job_id(), path, model=model, engine_options=engine_options,
                        shard_size=shard_size, limits=limits, metadata=metadata,
-                       completion_window=completion_window, api_key_id=api_key_id)
+                       completion_window=completion_window, api_key_id=api_key_id, **scheduling)
 
 
 def create_job_from_stream(
     Session: sessionmaker[Session], root, stream: BinaryIO, *, model: str, engine_options: dict,
     shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
+    completion_window: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
     """create_job_from_file for a stream (standard input), which can be read only once:
     it is copied into the job's own file (JobPaths.stdin_copy, the job's input_path),
@@ -55,7 +58,8 @@ def create_job_from_stream(
             error = spec.LineError(None, f"standard input has more than {limits.max_file_bytes} bytes, the limit")
             raise spec.InvalidInput(spec.Validation(0, [error], 1, "pipeline", None))
         return _create_job(Session, root, job_id, copy, model=model, engine_options=engine_options,
-                           shard_size=shard_size, limits=limits, metadata=metadata)
+                           shard_size=shard_size, limits=limits, metadata=metadata,
+                           completion_window=completion_window, **scheduling)
     except BaseException:
         shutil.rmtree(copy.parent, ignore_errors=True)
         raise
@@ -71,13 +75,16 @@ def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20
 
 def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
                 limits: spec.Limits, metadata: dict | None, completion_window: str | None = None,
-                api_key_id: str | None = None) -> tuple[str, list[int]]:
+                api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
+                request_timeout_s: float | None = None,
+                max_queued_requests: int | None = None) -> tuple[str, list[int]]:
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     # write_input_shards validates too, but it does not report the format and endpoint the job needs.
     validation = spec.validate(path, limits, model=model)
     if not validation.ok:
         raise spec.InvalidInput(validation)
+    check_capacity(Session, validation.num_requests, max_queued_requests)
     job_paths = JobPaths(root, job_id)
     try:
         shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)
@@ -88,11 +95,33 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 input_format=validation.input_format, endpoint=validation.endpoint,
                 input_path=str(Path(path).resolve()), results_path=str(job_paths.results_dir),
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
-                completion_window=completion_window, api_key_id=api_key_id)
+                completion_window=completion_window, api_key_id=api_key_id, priority=priority,
+                request_timeout_s=request_timeout_s)
     except BaseException:
         shutil.rmtree(job_paths.dir, ignore_errors=True)
         raise
     return job_id, shard_sizes
+
+
+class OverCapacity(RuntimeError):
+    """Queuing a job would put more requests in the queue than PIPELINE_MAX_QUEUED_REQUESTS."""
+
+    def __init__(self, queued: int, wanted: int, limit: int):
+        self.queued, self.wanted, self.limit = queued, wanted, limit
+        super().__init__(f"{queued} request(s) are queued already; {wanted} more would pass the limit of "
+                         f"{limit} (PIPELINE_MAX_QUEUED_REQUESTS)")
+
+
+def check_capacity(Session: sessionmaker[Session], wanted: int, limit: int | None) -> None:
+    """Raise OverCapacity if `wanted` more requests would put the queue over `limit`
+    (None: no limit). A job bigger than the limit itself is refused only while anything is
+    queued, so it can still run alone."""
+    if limit is None:
+        return
+    with Session() as s:
+        queued = ledger.queued_requests(s)
+    if queued + wanted > limit and queued > 0:
+        raise OverCapacity(queued, wanted, limit)
 
 
 class NothingToRetry(ValueError):
@@ -101,6 +130,7 @@ class NothingToRetry(ValueError):
 
 def create_retry_job(
     Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None, only_failed: bool = False,
+    completion_window: str | None = None, priority: str | None = None,
 ) -> tuple[str, list[int]]:
     """A new queued job with the requests of the ended job `job_id` that have no answer:
     an error row, a cancelled row, or no row at all (never run: a cancelled or failed
@@ -110,7 +140,8 @@ def create_retry_job(
 
     The new job has the same ids, the same normalised lines (so the same parameters)
     read from the input shards, the same model and engine options, and metadata
-    {"retry_of": job_id}. Returns (new job id, requests per shard). Raises ValueError if
+    {"retry_of": job_id}, and the old job's priority, request timeout and completion window
+    (a new window from now) unless priority or completion_window are given. Returns (new job id, requests per shard). Raises ValueError if
     job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
     to retry. All or nothing, like create_job_from_file.
     """
@@ -158,7 +189,8 @@ def create_retry_job(
                 s, job_id=new_id, model=old.model, engine_options=old.engine_options, engine_key=old.engine_key,
                 input_format=old.input_format, endpoint=old.endpoint, input_path=old.input_path,
                 results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
-                completion_window=old.completion_window, api_key_id=old.api_key_id,
+                completion_window=completion_window or old.completion_window, api_key_id=old.api_key_id,
+                priority=priority or old.priority, request_timeout_s=old.request_timeout_s,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         shutil.rmtree(new_paths.dir, ignore_errors=True)

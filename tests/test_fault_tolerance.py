@@ -757,7 +757,7 @@ def test_recover_pass_reaps_fails_and_finalizes(db_url, data_root, tmp_path):
     engine = make_engine(db_url)
     Session = session_factory(engine)
     sent: list[tuple[str, int]] = []
-    pass_ = dict(max_attempts=2, queued_grace_s=5, enqueue=lambda key, shards: sent.extend(shards),
+    pass_ = dict(max_attempts=2, queued_grace_s=5, enqueue=lambda key, shards, priority: sent.extend(shards),
                  backlog=lambda key: 0)
     try:
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(5)])

@@ -382,7 +382,7 @@ def test_the_reaper_counts_the_shards_it_gives_up(Session, data_root, tmp_path):
         assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
         s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
         s.commit()
-    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=lambda key, shards: None,
+    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=lambda key, shards, priority: None,
                      backlog=lambda key: 0)
     assert report["exhausted"] == [(job_id, 0)]
     after = (in_process("pipeline_requests_total", model="tiny", worker=HOST, finish_reason="error"),

@@ -126,8 +126,12 @@ def test_one_worker_serves_two_models_one_at_a_time(sqlite_url, cluster_factory,
 
 
 def _messages(c: Cluster, key: str) -> list[bytes]:
+    """The messages waiting in an engine's queue, every priority's list."""
     import redis
-    return redis.Redis.from_url(c.broker_url).lrange(f"{c.queue}.{key}", 0, -1)
+
+    from workers.broker import priority_lists
+    client = redis.Redis.from_url(c.broker_url)
+    return [m for name in priority_lists(f"{c.queue}.{key}") for m in client.lrange(name, 0, -1)]
 
 
 @pytest.mark.parametrize("options", [{}, {"dtype": "float32"}, {"quantization": "int8"}])

@@ -20,6 +20,7 @@ from kombu import Queue
 from jobs.settings import Settings
 from pipeline.engine_key import engine_key
 from pipeline.host_memory import use_one_malloc_arena
+from workers.broker import PRIORITY_STEPS   # broker imports this module only inside its functions
 
 # First, before numpy and pyarrow start their threads: the engine steps in a thread of
 # its own and must share the main malloc arena (pipeline/host_memory.py). `pipeline
@@ -62,6 +63,8 @@ def configure(settings: Settings) -> None:
         task_default_queue=queues[0],
         broker_transport_options={
             "visibility_timeout": timeout_s,
+            # A job's priority is its messages' priority (workers.broker): one list per step.
+            "priority_steps": PRIORITY_STEPS,
             # kombu scans for overdue messages every interval * throttle seconds (100 s by
             # default): keep that well under a short visibility timeout.
             "unacked_restore_interval": max(1, min(10, timeout_s // 2)),

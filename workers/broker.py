@@ -1,6 +1,13 @@
 """The broker side of a job: is Redis there, send shards to their engine's queue, how many
 wait in it, which engines live workers serve.
 
+Priorities are kombu's message priorities on Redis: each engine key's queue is one Redis
+list per priority step (PRIORITY_STEPS; `<queue>` for step 0, `<queue>\x06\x16<step>` for
+the others), and a worker's BRPOP names every step of every queue it consumes, lowest step
+first, so it takes the oldest message of the highest priority there is (FIFO within a
+priority: each list is first-in first-out). A job's priority maps to a step
+(MESSAGE_PRIORITY: high 0, normal 3, low 6; on Redis a lower number goes first).
+
 Shards are sent by task name (`app.send_task`), so producers (the CLI, recovery, a
 worker handing back its shard) never import the tasks module: the imports run one way,
 tasks -> recovery -> broker -> app.
@@ -13,9 +20,16 @@ from collections.abc import Iterable
 
 import redis
 
+from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.settings import Settings, env_var
 
 RUN_SHARD = "pipeline.run_shard"  # the name workers.tasks registers the shard task under
+
+# kombu's Redis priority steps (its default, stated for the workers and producers alike)
+# and the step each job priority (jobs.scheduling.PRIORITIES) is sent with.
+PRIORITY_STEPS = [0, 3, 6, 9]
+MESSAGE_PRIORITY = {"high": 0, "normal": 3, "low": 6}
+_KOMBU_SEP = "\x06\x16"   # kombu.transport.redis.Channel.sep
 
 
 class BrokerUnavailable(RuntimeError):
@@ -34,15 +48,23 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
         ) from None
 
 
-def enqueue_shards(settings: Settings, engine_key: str, shards: Iterable[tuple[str, int]]) -> None:
-    """Send one shard task per (job_id, index) to the queue of engine_key (their jobs' key)."""
+def enqueue_shards(settings: Settings, engine_key: str, shards: Iterable[tuple[str, int]],
+                   priority: str = DEFAULT_PRIORITY) -> None:
+    """Send one shard task per (job_id, index) to the queue of engine_key (their jobs' key),
+    with their jobs' priority."""
     from workers.app import app  # Celery only where a message is sent: recovery imports no Celery
 
     queue = settings.queue_for(engine_key)
+    step = MESSAGE_PRIORITY[priority]
     with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer:
         for job_id, index in shards:
-            app.send_task(RUN_SHARD, (job_id, index), queue=queue, producer=producer,
+            app.send_task(RUN_SHARD, (job_id, index), queue=queue, producer=producer, priority=step,
                           argsrepr=shard_repr(job_id, index))
+
+
+def priority_of_message(step: int | None) -> str:
+    """The job priority a delivered message was sent with (its delivery_info's priority)."""
+    return next((name for name, s in MESSAGE_PRIORITY.items() if s == step), DEFAULT_PRIORITY)
 
 
 def shard_repr(job_id: str, index: int) -> str:
@@ -53,17 +75,26 @@ def shard_repr(job_id: str, index: int) -> str:
 SHARD_REPR = re.compile(r"\(job_id='(?P<job_id>job_[0-9a-f]+)', shard=(?P<shard>\d+)\)")
 
 
-def enqueue_job(settings: Settings, job_id: str, num_shards: int, engine_key: str) -> None:
+def enqueue_job(settings: Settings, job_id: str, num_shards: int, engine_key: str,
+                priority: str = DEFAULT_PRIORITY) -> None:
     """Check the broker, then send every shard of a job to its engine key's queue."""
     check_broker(settings.broker_url)
-    enqueue_shards(settings, engine_key, ((job_id, index) for index in range(num_shards)))
+    enqueue_shards(settings, engine_key, ((job_id, index) for index in range(num_shards)), priority)
+
+
+def priority_lists(queue: str) -> list[str]:
+    """The Redis lists of one queue, one per priority step, highest priority first."""
+    return [f"{queue}{_KOMBU_SEP}{step}" if step else queue for step in PRIORITY_STEPS]
 
 
 def backlog(settings: Settings, queue: str) -> int:
-    """Messages waiting in a Redis queue (not those delivered and unacknowledged)."""
+    """Messages waiting in a queue, every priority (not those delivered and unacknowledged)."""
     client = _client(settings)
     try:
-        return int(client.llen(queue))
+        with client.pipeline() as pipe:
+            for name in priority_lists(queue):
+                pipe.llen(name)
+            return sum(int(n) for n in pipe.execute())
     finally:
         client.close()
 

@@ -8,9 +8,11 @@ batch is full, large ones about two at a time, and no shard is claimed only to w
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import threading
 import time
@@ -56,6 +58,10 @@ class EngineHolder:
         self._users = 0
         self._idle_since = time.monotonic()
         self._gate = threading.Lock()   # room: one shard enters at a time
+        # room's waiting shards as sorted (rank, arrival) tickets: only the first may take the gate.
+        self._waiting: list[tuple[int, int]] = []
+        self._waiting_lock = threading.Lock()
+        self._arrivals = itertools.count()
         self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
         self._building = False
 
@@ -115,7 +121,7 @@ class EngineHolder:
 
     @contextlib.contextmanager
     def room(self, stop: Callable[[], bool], while_waiting: Callable[[], None] | None = None,
-             poll_s: float = 0.05, settle_s: float = 2.0) -> Iterator[None]:
+             poll_s: float = 0.05, settle_s: float = 2.0, rank: int = 0) -> Iterator[None]:
         """Enter once the engine's batch has room for another shard's requests (or there
         is no engine yet, or stop() is true); hold it while the shard runs.
 
@@ -123,11 +129,13 @@ class EngineHolder:
         (or has left: a duplicate that found its shard busy runs nothing), or settle_s
         passed, so a batch with room for a few requests does not let in every waiting
         shard. while_waiting() is called every poll while this shard waits (the task keeps
-        its shard's place in the ledger with it)."""
+        its shard's place in the ledger with it).
+
+        Waiting shards enter by rank (0 first: a higher-priority job's, jobs.scheduling),
+        then in the order they came: a worker reserves several messages at once, and a
+        high-priority shard that arrives behind reserved low ones goes before them."""
         left = threading.Event()
-        while not self._gate.acquire(timeout=poll_s):   # shards behind the one in the gate wait too
-            if while_waiting is not None:
-                while_waiting()
+        self._take_gate(rank, poll_s, while_waiting)
         try:
             while self._settling is not None and self._settling() and not stop():
                 self._wait(poll_s, while_waiting)
@@ -151,6 +159,26 @@ class EngineHolder:
             yield
         finally:
             left.set()
+
+    def _take_gate(self, rank: int, poll_s: float, while_waiting: Callable[[], None] | None) -> None:
+        """Acquire the gate once this shard's ticket is the first of the waiting ones."""
+        ticket = (rank, next(self._arrivals))
+        with self._waiting_lock:
+            bisect.insort(self._waiting, ticket)
+        try:
+            while True:
+                with self._waiting_lock:
+                    first = self._waiting[0] == ticket
+                if first and self._gate.acquire(timeout=poll_s):   # shards behind the one in the gate wait too
+                    return
+                if first:
+                    if while_waiting is not None:
+                        while_waiting()
+                else:
+                    self._wait(poll_s, while_waiting)
+        finally:
+            with self._waiting_lock:
+                self._waiting.remove(ticket)
 
     @staticmethod
     def _wait(poll_s: float, while_waiting: Callable[[], None] | None) -> None:

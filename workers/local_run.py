@@ -169,4 +169,7 @@ def _end_unheld(Session, root, job: ledger.Job, free: list[int]) -> bool:
         return refinalize_job(Session, root, job.id, DEFAULT_FINALIZE_GRACE_S)
     if job.status == JobStatus.CANCELLING and free:  # no one may claim them: end them as the cancel would
         return abandon_job(Session, root, job.id, "the process cancelling the job stopped before its shards did")
+    if job.status == JobStatus.EXPIRING and free:  # its window passed: queued shards never run
+        with Session() as s:
+            ledger.cancel_orphaned_shards(s)
     return finalize_job(Session, root, job.id)

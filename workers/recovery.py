@@ -15,6 +15,8 @@ nobody is working on any more although they are not finished:
   of shards that are merely waiting is not flooded with duplicates (a worker holding a
   shard's message while it waits for room keeps its clock fresh, workers.tasks).
   Duplicates are harmless anyway: claiming is conditional;
+* a job past its completion window is expired here (ledger.expire_if_due), also when no
+  worker holds it, and finalized: it ends "expired";
 * a job whose shards all ended but whose finalizer died is finalized here;
   shards of a cancelling job that went back to queued are cancelled;
 * result files of attempts that can never commit are removed from results/_tmp.
@@ -40,6 +42,7 @@ from jobs import ledger
 from jobs.finalize import finalize_job, refinalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
+from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.settings import Settings
 from workers import broker, metrics
 from workers.shard_runner import commit_error_rows
@@ -48,7 +51,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FINALIZE_GRACE_S = 300.0
 
-Enqueue = Callable[[str, list[tuple[str, int]]], None]   # (engine key, shards of jobs with that key)
+# (engine key, shards of jobs with that key and priority, their priority)
+Enqueue = Callable[[str, list[tuple[str, int]], str], None]
 
 
 def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, worker_name: str | None = None) -> dict:
@@ -66,21 +70,28 @@ def recover(
 ) -> dict:
     """One recovery pass over the whole ledger; returns what it did.
 
-    enqueue(engine_key, shards) sends one task per (job_id, index) to the queue of the
-    jobs' engine key (each shard goes back to the queue of its job's engine, never another);
+    enqueue(engine_key, shards, priority) sends one task per (job_id, index) to the queue of
+    the jobs' engine key (each shard goes back to the queue of its job's engine, never
+    another) with their jobs' priority;
     backlog(engine_key) is the number of messages waiting in that queue — the reconciler
     re-sends a key's shards only when it is 0.
     An enqueue that fails (broker down) is logged and left to a later pass: the shards
     are queued in the ledger, so the reconciler finds them.
 
-    The report: requeued (expired leases, re-enqueued), exhausted (committed as failed
+    The report: expired (jobs whose completion window passed, now expiring), requeued (expired leases, re-enqueued), exhausted (committed as failed
     with error rows), cancelled (queued shards of cancelling jobs), reenqueued
     (reconciled), finalized (job ids), tmp_removed (files), errors (messages).
     """
     worker_name = worker_name or f"reaper@{socket.gethostname()}:{os.getpid()}"
-    report: dict = {"requeued": [], "exhausted": [], "cancelled": [], "reenqueued": [],
+    report: dict = {"expired": [], "requeued": [], "exhausted": [], "cancelled": [], "reenqueued": [],
                     "finalized": [], "tmp_removed": 0, "errors": []}
     touched: set[str] = set()
+
+    # jobs past their completion window, even those no worker holds: queued shards never
+    # run; the running ones stop at their next step (their workers poll the same status)
+    with Session() as s:
+        report["expired"] = ledger.expire_if_due(s)
+    touched.update(report["expired"])
 
     # (a) the reaper
     with Session() as s:
@@ -198,14 +209,15 @@ def _send(Session, enqueue: Enqueue, shards: list[tuple[str, int]], report: dict
         return
     with Session() as s:
         keys = ledger.engine_keys(s, (job_id for job_id, _ in shards))
-    by_key: dict[str | None, list[tuple[str, int]]] = {}
+        priorities = ledger.priorities(s, (job_id for job_id, _ in shards))
+    by_key: dict[tuple, list[tuple[str, int]]] = {}
     for job_id, index in shards:
-        by_key.setdefault(keys.get(job_id), []).append((job_id, index))
-    for key, group in by_key.items():
+        by_key.setdefault((keys.get(job_id), priorities.get(job_id)), []).append((job_id, index))
+    for (key, priority), group in by_key.items():
         try:
             if key is None:
                 raise ValueError("its job has no engine key (its engine options are not valid any more)")
-            enqueue(key, group)
+            enqueue(key, group, priority or DEFAULT_PRIORITY)
         except Exception as e:  # the shards are queued in the ledger: the reconciler sends them later
             log.warning("recovery: enqueueing %d shard(s) failed: %s", len(group), e)
             report["errors"].append(f"enqueueing {len(group)} shard(s) failed: {type(e).__name__}: {e}")

@@ -31,6 +31,7 @@ from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.results import write_shard_tmp
+from jobs.scheduling import expired_error
 from jobs.shards import read_shard
 from jobs.spec import RequestSpec
 from pipeline.request import FinishReason, Request, RequestOutput
@@ -88,6 +89,11 @@ def run_shard(
     if _shutdown.is_set():
         return ShardOutcome.RELEASED  # never claimed: the caller re-enqueues it as for a released one
     with Session() as s:
+        expired = ledger.expire_if_due(s, job_id)   # past its completion window: no shard of it starts
+    if expired:
+        finalize_job(Session, root, job_id)
+        return ShardOutcome.SKIPPED
+    with Session() as s:
         attempt = ledger.claim_shard(s, job_id, index, worker_name, lease_s, max_attempts)
         shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
         if attempt is None or shard is None:  # (None: a message for a job that no longer exists)
@@ -101,7 +107,7 @@ def run_shard(
     try:
         try:
             with engine_provider(job.engine_options) as engine:
-                rows, cancelled, interrupted = _generate(Session, job_id, engine, specs, index, attempt,
+                rows, cancelled, interrupted = _generate(Session, job, engine, specs, index, attempt,
                                                          lease, on_result)
             status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED
         except Exception as e:
@@ -143,9 +149,12 @@ def commit_error_rows(Session, root, job_id: str, index: int, attempt: int, erro
     return _commit(Session, paths, job_id, index, attempt, rows, ShardStatus.FAILED, tmp=tmp_path)
 
 
-def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
-    """Result rows in input order, whether generation stopped because of a cancel, and
-    whether it stopped early for another reason (a lost lease, request_shutdown)."""
+def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
+    """Result rows in input order, whether generation stopped because of a cancel or the
+    job's expiry, and whether it stopped early for another reason (a lost lease,
+    request_shutdown). The requests an expiry left unfinished get error rows
+    (jobs.scheduling.expired_error), those a cancel left get cancelled rows."""
+    job_id = job.id
     rows: dict[str, dict] = {}
     requests = []
     for spec in specs:
@@ -166,7 +175,10 @@ def _generate(Session, job_id, engine, specs, index, attempt, lease, on_result):
     waited = time.perf_counter() - start
     for spec in specs:
         if spec.id not in rows:
-            rows[spec.id] = _cancelled_row(spec.id, waited, index, attempt)
+            if cancel.reason == "expired":
+                rows[spec.id] = _row(_error_output(spec.id, expired_error(job.completion_window)), index, attempt)
+            else:
+                rows[spec.id] = _cancelled_row(spec.id, waited, index, attempt)
             _notify(on_result, rows[spec.id])
     return [rows[spec.id] for spec in specs], cancel.seen, interrupted
 
@@ -214,20 +226,26 @@ def _notify(on_result, row: dict) -> None:
 
 
 class _CancelPoll:
-    """should_stop for a cancel. The answer per job is shared by every shard of it running
+    """should_stop for a cancel or the job's expiry (ledger.stop_reason, which expires a job
+    past its expires_at; `reason` says which stopped it). The answer per job is shared by every shard of it running
     in this process (a worker often runs several of one job), so the ledger is asked at
     most once every CANCEL_POLL_S seconds per job, not once per shard: each query is
     Python work that holds the GIL the engine thread needs."""
 
     _lock = threading.Lock()
-    _jobs: dict[tuple, list] = {}   # (Session, job_id) -> [next poll time, seen, shards polling]
+    _jobs: dict[tuple, list] = {}   # (Session, job_id) -> [next poll time, reason, shards polling]
 
     def __init__(self, Session, job_id: str):
         self.Session, self.job_id = Session, job_id
         self._key = (Session, job_id)
         with self._lock:
-            self._jobs.setdefault(self._key, [0.0, False, 0])[2] += 1
-        self.seen = False
+            self._jobs.setdefault(self._key, [0.0, None, 0])[2] += 1
+        self.reason: str | None = None
+
+    @property
+    def seen(self) -> bool:
+        """Whether a cancel or an expiry stopped the shard."""
+        return self.reason is not None
 
     def __call__(self) -> bool:
         if self.seen:
@@ -238,13 +256,13 @@ class _CancelPoll:
             due = now >= state[0]
             if due:
                 state[0] = now + CANCEL_POLL_S   # the other shards wait for this answer
-            self.seen = state[1]
+            self.reason = state[1]
         if due and not self.seen:
             with self.Session() as s:
-                seen = ledger.is_cancelling(s, self.job_id)
+                reason = ledger.stop_reason(s, self.job_id)
             with self._lock:
-                state[1] = state[1] or seen
-                self.seen = state[1]
+                state[1] = state[1] or reason
+                self.reason = state[1]
         return self.seen
 
     def __enter__(self) -> "_CancelPoll":

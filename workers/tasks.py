@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from jobs import ledger
+from jobs.scheduling import priority_rank
 from pipeline.engine_key import engine_key
 from workers import broker
 from workers.app import app, settings
@@ -60,6 +61,8 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     """
     cfg = settings()
     Session = _session_factory(cfg.database_url)
+    # The job's priority came with the message (workers.broker): no ledger read for it.
+    priority = broker.priority_of_message((self.request.delivery_info or {}).get("priority"))
 
     def run() -> ShardOutcome:
         return run_shard(Session, cfg.data_dir, job_id, index, engine_provider=_engines.use,
@@ -72,10 +75,12 @@ def run_shard_task(self, job_id: str, index: int) -> str:
         # it waits, its shard is queued in the ledger with its message here: it keeps the
         # shard's queued clock fresh, or the reconciler would take the message for lost.
         # A duplicate of a shard that is not queued (running, done) does not wait: it goes
-        # straight to run_shard, which finds it busy or skipped.
+        # straight to run_shard, which finds it busy or skipped. Waiting shards enter by
+        # priority (rank), then in the order they arrived: a high-priority shard reserved
+        # behind low ones starts at the next shard boundary.
         if _keep_queued(Session, job_id, index):
             keep = _every(cfg.queued_grace_s / 3, lambda: _keep_queued(Session, job_id, index))
-            with _engines.room(stop=shutting_down, while_waiting=keep):
+            with _engines.room(stop=shutting_down, while_waiting=keep, rank=priority_rank(priority)):
                 outcome = run()
         else:
             outcome = run()
@@ -85,7 +90,7 @@ def run_shard_task(self, job_id: str, index: int) -> str:
         try:
             with Session() as s:
                 key = ledger.engine_keys(s, [job_id])[job_id]
-            broker.enqueue_shards(cfg, key, [(job_id, index)])
+            broker.enqueue_shards(cfg, key, [(job_id, index)], priority)
         except Exception:  # it is queued in the ledger: the reconciler re-enqueues it
             log.warning("re-enqueueing released shard %s/%d failed", job_id, index, exc_info=True)
     return outcome

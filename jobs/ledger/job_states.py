@@ -9,26 +9,34 @@ from sqlalchemy.orm import Session
 from jobs import paths
 from jobs.ledger.conditional import commit_if_won, execute
 from jobs.ledger.models import INPUT_FORMATS, STATS_COLUMNS, Job, JobStatus, Shard, ShardStatus, utcnow
+from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
 
 
 def create_job(
     s: Session, *, job_id: str, model: str, engine_options: dict, input_format: str,
     endpoint: str | None, input_path: str, results_path: str, shard_size: int,
     shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
-    engine_key: str | None = None, api_key_id: str | None = None,
+    engine_key: str | None = None, api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
+    request_timeout_s: float | None = None,
 ) -> Job:
     """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
     the engine its shards need (pipeline.engine_key), which routes them to a queue;
-    api_key_id: the API key that owns it, for jobs made through `pipeline serve`."""
+    api_key_id: the API key that owns it, for jobs made through `pipeline serve`.
+    A completion_window (jobs.scheduling.parse_window) sets expires_at from now."""
     paths.check_job_id(job_id)
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    now = utcnow()
+    expires_at = now + parse_window(completion_window) if completion_window else None
     job = Job(
         id=job_id, status=JobStatus.QUEUED, model=model, engine_options=engine_options, engine_key=engine_key,
         input_format=input_format, endpoint=endpoint, input_path=str(input_path),
         results_path=str(results_path), shard_size=shard_size, num_shards=len(shard_sizes),
         completion_window=completion_window, metadata_=metadata, api_key_id=api_key_id,
-        total_requests=sum(shard_sizes),
+        total_requests=sum(shard_sizes), priority=priority, request_timeout_s=request_timeout_s,
+        created_at=now, expires_at=expires_at,
     )
     s.add(job)
     s.flush()  # the job row must exist before its shards reference it
@@ -111,6 +119,60 @@ def is_cancelling(s: Session, job_id: str) -> bool:
     return status in (JobStatus.CANCELLING, JobStatus.CANCELLED)
 
 
+def stop_reason(s: Session, job_id: str) -> str | None:
+    """Why the job's running shards must stop: "cancelled" (cancelling or cancelled) or
+    "expired" (expiring or expired: expire_if_due is called first, so a live job past
+    its expires_at counts); None while they may go on."""
+    expire_if_due(s, job_id)
+    status = s.scalar(select(Job.status).where(Job.id == job_id))
+    s.commit()
+    if status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
+        return "cancelled"
+    if status in (JobStatus.EXPIRING, JobStatus.EXPIRED):
+        return "expired"
+    return None
+
+
+def expire_if_due(s: Session, job_id: str | None = None) -> list[str]:
+    """Live jobs (job_id only, or all) whose expires_at has passed → expiring, their queued
+    shards → cancelled (they never run; the finalizer writes their error rows). Returns
+    the jobs this call expired; the caller should then finalize them, as after a cancel."""
+    now = utcnow()
+    due = select(Job.id).where(Job.status.in_(JobStatus.live()), Job.expires_at.is_not(None), Job.expires_at <= now)
+    if job_id is not None:
+        due = due.where(Job.id == job_id)
+    expired = []
+    for candidate in s.scalars(due).all():
+        # Shards before the job row: the lock order of claim/commit and request_cancel.
+        execute(s, update(Shard)
+                 .where(Shard.job_id == candidate, Shard.status == ShardStatus.QUEUED)
+                 .values(status=ShardStatus.CANCELLED, finished_at=now))
+        won = execute(s, update(Job)
+                       .where(Job.id == candidate, Job.status.in_(JobStatus.live()))
+                       .values(status=JobStatus.EXPIRING, cancelling_at=now)).rowcount == 1
+        if won:
+            s.commit()
+            expired.append(candidate)
+        else:
+            s.rollback()
+    s.commit()
+    return expired
+
+
+def count_expired_requests(s: Session, job_id: str, index: int, n: int) -> None:
+    """Count the n error rows the finalizer wrote for a shard that never ran (an expiry)."""
+    execute(s, update(Shard).where(Shard.job_id == job_id, Shard.index == index).values(failed_requests=n))
+    s.commit()
+
+
+def queued_requests(s: Session) -> int:
+    """Requests in queued shards of live jobs: the queue back-pressure limits."""
+    total = s.scalar(select(func.coalesce(func.sum(Shard.num_requests), 0)).join(Job, Job.id == Shard.job_id)
+                     .where(Shard.status == ShardStatus.QUEUED, Job.status.in_(JobStatus.live())))
+    s.commit()
+    return int(total)
+
+
 def request_cancel(s: Session, job_id: str) -> bool:
     """queued|in_progress → cancelling, and its queued shards → cancelled.
 
@@ -138,7 +200,7 @@ def try_finalize(s: Session, job_id: str) -> bool:
     """Claim the job's finalization once none of its shards is queued or running.
 
     Exactly one caller gets True: queued|in_progress jobs move to finalizing, cancelling
-    jobs stay cancelling; finalizing_at marks the claim in both cases. The winner
+    and expiring jobs stay so; finalizing_at marks the claim in every case. The winner
     computes the stats and calls finish_job.
     """
     unfinished = (select(Shard.index)
@@ -147,15 +209,16 @@ def try_finalize(s: Session, job_id: str) -> bool:
                   .exists())
     stmt = (update(Job)
             .where(Job.id == job_id, Job.finalizing_at.is_(None), ~unfinished,
-                   Job.status.in_((JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING)))
+                   Job.status.in_((*JobStatus.live(), *JobStatus.stopping())))
             .values(finalizing_at=utcnow(),
-                    status=case((Job.status == JobStatus.CANCELLING, JobStatus.CANCELLING),
+                    status=case((Job.status.in_(JobStatus.stopping()), Job.status),
                                 else_=JobStatus.FINALIZING)))
     return commit_if_won(s, stmt)
 
 
 def finish_job(s: Session, job_id: str, status: str, stats: dict | None, error: str | None = None) -> bool:
-    """finalizing → completed|failed, or cancelling → cancelled|failed, with the stats columns.
+    """finalizing → completed|failed, cancelling → cancelled|failed, or expiring →
+    expired|failed, with the stats columns.
 
     stats is compute_stats()'s dict; its total_requests is ignored (the ledger keeps the
     number of input requests), any other key must be one of STATS_COLUMNS.
@@ -163,7 +226,8 @@ def finish_job(s: Session, job_id: str, status: str, stats: dict | None, error: 
     allowed_from = {
         JobStatus.COMPLETED: (JobStatus.FINALIZING,),
         JobStatus.CANCELLED: (JobStatus.CANCELLING,),
-        JobStatus.FAILED: (JobStatus.FINALIZING, JobStatus.CANCELLING),
+        JobStatus.EXPIRED: (JobStatus.EXPIRING,),
+        JobStatus.FAILED: (JobStatus.FINALIZING, *JobStatus.stopping()),
     }
     if status not in allowed_from:
         raise ValueError(f"cannot finish a job as {status!r}")

@@ -70,6 +70,11 @@ class Job(Base):
     shard_size: Mapped[int] = mapped_column(Integer)
     num_shards: Mapped[int] = mapped_column(Integer)
     completion_window: Mapped[str | None] = mapped_column(String)
+    # jobs.scheduling.PRIORITIES: workers take higher-priority jobs' shards first.
+    priority: Mapped[str] = mapped_column(String, default="normal", server_default="normal")
+    # The timeout of a request line that gives no timeout_s of its own (None: no timeout).
+    # Stored and copied to retries; not enforced yet (the per-request timeout is to come).
+    request_timeout_s: Mapped[float | None] = mapped_column(Float)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

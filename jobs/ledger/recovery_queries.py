@@ -89,13 +89,13 @@ def touch_queued(s: Session, job_id: str, index: int, older_than_s: float) -> bo
 
 
 def cancel_orphaned_shards(s: Session) -> list[tuple[str, int]]:
-    """Queued shards of cancelling jobs → cancelled; returns them.
+    """Queued shards of cancelling (or expiring) jobs → cancelled; returns them.
 
     request_cancel cancels the shards queued at that moment; a running shard of a
     cancelling job whose worker died is put back to queued by expired_shards, and no
     worker may claim it any more, so it would keep the job from ever finalizing.
     """
-    cancelling = select(Job.id).where(Job.status == JobStatus.CANCELLING)
+    cancelling = select(Job.id).where(Job.status.in_(JobStatus.stopping()))
     rows = s.execute(
         update(Shard)
         .where(Shard.status == ShardStatus.QUEUED, Shard.job_id.in_(cancelling))
@@ -114,7 +114,7 @@ def unfinalized_jobs(s: Session) -> list[str]:
     ids = list(s.scalars(
         select(Job.id)
         .where(Job.finalizing_at.is_(None), ~unfinished,
-               Job.status.in_((JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.CANCELLING)))
+               Job.status.in_((*JobStatus.live(), *JobStatus.stopping())))
         .order_by(Job.id)))
     s.commit()
     return ids
@@ -126,7 +126,7 @@ def retake_finalize(s: Session, job_id: str, older_than_s: float) -> bool:
     now = utcnow()
     stmt = (update(Job)
             .where(Job.id == job_id, Job.finished_at.is_(None),
-                   Job.status.in_((JobStatus.FINALIZING, JobStatus.CANCELLING)),
+                   Job.status.in_((JobStatus.FINALIZING, *JobStatus.stopping())),
                    Job.finalizing_at < now - timedelta(seconds=older_than_s))
             .values(finalizing_at=now))
     return commit_if_won(s, stmt)
@@ -138,7 +138,7 @@ def stale_finalizing_jobs(s: Session, older_than_s: float) -> list[str]:
     ids = list(s.scalars(
         select(Job.id)
         .where(Job.finished_at.is_(None), Job.finalizing_at < cutoff,
-               Job.status.in_((JobStatus.FINALIZING, JobStatus.CANCELLING)))
+               Job.status.in_((JobStatus.FINALIZING, *JobStatus.stopping())))
         .order_by(Job.id)))
     s.commit()
     return ids
@@ -155,5 +155,13 @@ def engine_keys(s: Session, job_ids) -> dict[str, str | None]:
     """job id -> the engine key its shards are routed by (None for a job that has none)."""
     ids = sorted(set(job_ids))
     rows = s.execute(select(Job.id, Job.engine_key).where(Job.id.in_(ids))).all() if ids else []
+    s.commit()
+    return dict(rows)
+
+
+def priorities(s: Session, job_ids) -> dict[str, str]:
+    """job id -> its priority (jobs.scheduling.PRIORITIES), which its shards are sent with."""
+    ids = sorted(set(job_ids))
+    rows = s.execute(select(Job.id, Job.priority).where(Job.id.in_(ids))).all() if ids else []
     s.commit()
     return dict(rows)

@@ -6,6 +6,7 @@ import click
 EXIT_JOB_NOT_COMPLETED = 1
 EXIT_USAGE = 2
 EXIT_BROKER = 3
+EXIT_OVER_CAPACITY = 4   # PIPELINE_MAX_QUEUED_REQUESTS: the job was refused, nothing was created
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports Ctrl-C
 EXIT_TERMINATED = 143    # 128 + SIGTERM
 

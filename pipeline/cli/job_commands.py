@@ -10,29 +10,62 @@ from jobs.settings import Settings
 from jobs.states import JobStatus, ShardStatus
 from pipeline.cli import render
 from pipeline.cli.errors import (
-    EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_TERMINATED, EXIT_USAGE, Fail,
+    EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_TERMINATED, EXIT_USAGE, Fail,
 )
 from pipeline.cli.options import engine_options, settings_options
 
 
 # FILE may be "-": standard input, read once into the job's own copy.
 INPUT_FILE = click.Path(exists=True, dir_okay=False, allow_dash=True)
+CAPACITY_POLL_S = 2.0
+
+
+def _check_window(ctx, param, value):
+    from jobs.scheduling import parse_window
+
+    if value is not None:
+        try:
+            parse_window(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+PRIORITY = click.option("--priority", type=click.Choice(("high", "normal", "low")),
+                        help="Workers take higher-priority jobs' shards first (at their next shard "
+                             "boundary); within a priority, first in first out.  [default: normal]")
+COMPLETION_WINDOW = click.option(
+    "--completion-window", callback=_check_window, metavar="WINDOW",
+    help="Time the job has, e.g. 24h, 8h, 30m, 20s: once it passes, shards not started never run, "
+         "running ones stop at their next step, the job ends `expired`, and every request left "
+         "without an answer gets an error row (code batch_expired) that `pipeline retry` runs again.")
 
 
 @click.command("submit")
 @click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@PRIORITY
+@COMPLETION_WINDOW
+@click.option("--wait-for-capacity", is_flag=True,
+              help="When PIPELINE_MAX_QUEUED_REQUESTS would be passed, wait until there is room "
+                   "instead of refusing the job (exit 4).")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
-@settings_options("broker_url")
-def submit_command(file, engine_options, shard_size, wait, settings):
+@settings_options("broker_url", "max_queued_requests")
+def submit_command(file, engine_options, shard_size, priority, completion_window, wait_for_capacity, wait,
+                   settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    With PIPELINE_MAX_QUEUED_REQUESTS set, a job that would queue more requests than that
+    is refused (exit 4, nothing created) or, with --wait-for-capacity, waits for room.
     """
     check_broker(settings)  # before creating anything: no job may wait for a broker that is down
     Session = sessions(settings)
-    job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
+    scheduling = dict(priority=priority or "normal", completion_window=completion_window,
+                      max_queued_requests=settings.max_queued_requests or None)
+    job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size, scheduling,
+                                wait_for_capacity=wait_for_capacity)
     _enqueue_or_abandon(Session, settings, job_id, sizes)
     click.echo(job_id)
     if wait:
@@ -65,9 +98,11 @@ def run_command(file, engine_options, shard_size, settings):
                                                   "cancelled or never run ones.")
 @click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
 @click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
+@PRIORITY
+@COMPLETION_WINDOW
 @click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url", "shards_in_flight")
-def retry_command(job_id, only_failed, local, shard_size, wait, settings):
+def retry_command(job_id, only_failed, local, shard_size, priority, completion_window, wait, settings):
     """Run the requests of an ended job that have no answer again, as a new job.
 
     Those are the failed ones (finish_reason error), the cancelled ones and the ones that
@@ -75,6 +110,8 @@ def retry_command(job_id, only_failed, local, shard_size, wait, settings):
     again, nor one an earlier retry of JOB took already (retry that job instead). The
     new job has the same request ids, parameters, model and engine options, and metadata
     {"retry_of": JOB}; its id is printed on stdout. Exit 1 if nothing is left to retry.
+    Its priority, request timeout and completion window are JOB's (the window counted
+    from now) unless --priority or --completion-window say otherwise.
     """
     from jobs import ledger
     from jobs.submission import NothingToRetry, create_retry_job
@@ -89,7 +126,8 @@ def retry_command(job_id, only_failed, local, shard_size, wait, settings):
         get_job(s, job_id)
     try:
         new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size,
-                                         only_failed=only_failed)
+                                         only_failed=only_failed, priority=priority,
+                                         completion_window=completion_window)
     except NothingToRetry as e:
         raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
     except ValueError as e:
@@ -208,18 +246,32 @@ def check_broker(settings: Settings) -> None:
         raise Fail(str(e), EXIT_BROKER) from None
 
 
-def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int):
+def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int,
+                scheduling: dict | None = None, wait_for_capacity: bool = False):
     from jobs.spec import InvalidInput
-    from jobs.submission import create_job_from_file, create_job_from_stream
+    from jobs.submission import OverCapacity, create_job_from_file, create_job_from_stream
     from pipeline.bundled import BUNDLED_NAME
 
     options = dict(model=engine_options.get("model") or BUNDLED_NAME, engine_options=engine_options,
-                   shard_size=shard_size)
+                   shard_size=shard_size, **(scheduling or {}))
     try:
         if file == "-":
             with click.open_file("-", "rb") as stdin:
                 return create_job_from_stream(Session, settings.data_dir, stdin, **options)
-        return create_job_from_file(Session, settings.data_dir, file, **options)
+        said = False
+        while True:
+            try:
+                return create_job_from_file(Session, settings.data_dir, file, **options)
+            except OverCapacity as e:
+                if not wait_for_capacity:
+                    raise
+                if not said:
+                    click.echo(f"waiting for capacity: {e}", err=True)
+                    said = True
+                time.sleep(CAPACITY_POLL_S)
+    except OverCapacity as e:
+        raise Fail(f"job refused, nothing was created: {e}; submit it later, or with --wait-for-capacity",
+                   EXIT_OVER_CAPACITY) from None
     except InvalidInput as e:
         v = e.validation
         name = "standard input" if file == "-" else file
@@ -239,7 +291,7 @@ def _enqueue_or_abandon(Session, settings: Settings, job_id: str, sizes: list[in
     with Session() as s:
         job = ledger.get_job(s, job_id)
     try:
-        enqueue_job(settings, job_id, len(sizes), job.engine_key)
+        enqueue_job(settings, job_id, len(sizes), job.engine_key, job.priority)
     except Exception as e:
         abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
         raise Fail(f"job {job_id} failed: enqueueing its shards failed: {e}", EXIT_BROKER) from None

@@ -34,6 +34,9 @@ _SETTING_OPTIONS = {
     "max_upload_bytes": dict(decls=("--max-upload-bytes",), type=click.IntRange(min=1), show_default=True,
                              help="Largest upload `pipeline serve` accepts; a bigger one is refused (413) "
                                   "and nothing of it is kept."),
+    "max_queued_requests": dict(decls=("--max-queued-requests",), type=click.IntRange(min=0), show_default=True,
+                                help="Refuse a job that would put more requests than this in the queue "
+                                     "(queued shards of live jobs; 0: no limit)."),
     "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }

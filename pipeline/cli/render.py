@@ -60,7 +60,8 @@ def batch(job, counts: dict) -> dict:
                         "failed": job.failed_requests})
     extra = {k: d[k] for k in STATS_COLUMNS if k not in ("completed_requests", "failed_requests")}
     obj["pipeline"] = {**extra, "engine_options": job.engine_options, "input_format": job.input_format,
-                       "num_shards": job.num_shards, "shards": counts["shards"], "status": job.status}
+                       "num_shards": job.num_shards, "shards": counts["shards"], "status": job.status,
+                       "priority": job.priority, "request_timeout_s": job.request_timeout_s}
     return obj
 
 
@@ -85,14 +86,15 @@ def print_jobs(jobs, waiting: set[str] = frozenset()) -> None:
     if not jobs:
         click.echo("no jobs yet: create one with `pipeline run FILE` or `pipeline submit FILE`")
         return
-    table = Table("status", "ok/err/total", "created (UTC)", "tok/s", "model")
+    table = Table("status", "priority", "ok/err/total", "created (UTC)", "deadline (UTC)", "tok/s", "model")
     table.columns[-1].overflow = "ellipsis"
     table.columns[0].no_wrap = True   # "queued (no worker)" reads as one
     table.add_column("job", min_width=20, no_wrap=True)  # ids must stay whole to be copied
     for job in jobs:
         status = f"{job.status} (no worker)" if job.id in waiting else job.status
-        table.add_row(status, f"{job.completed_requests}/{job.failed_requests}/{job.total_requests}",
-                      f"{job.created_at:%Y-%m-%d %H:%M}", _num(job.output_tok_s), Path(job.model).name, job.id)
+        table.add_row(status, job.priority, f"{job.completed_requests}/{job.failed_requests}/{job.total_requests}",
+                      f"{job.created_at:%Y-%m-%d %H:%M}", deadline(job), _num(job.output_tok_s),
+                      Path(job.model).name, job.id)
     Console().print(table)
 
 
@@ -107,7 +109,7 @@ def next_step(job, shards, now) -> str | None:
         return (f"no shard of it is running now; if no worker will take it (its `pipeline run` died, or no "
                 f"worker is left), `pipeline resume {job.id}` finishes it here, in place")
     unanswered = job.total_requests - job.completed_requests
-    if unanswered and job.status != JobStatus.EXPIRED:
+    if unanswered:
         return f"{unanswered} request(s) without an answer: `pipeline retry {job.id}` runs them again as a new job"
     return None
 
@@ -126,6 +128,8 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
             ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
             ("tokens", f"{job.prompt_tokens} prompt ({job.cached_tokens or 0} from the prefix cache), "
                        f"{job.output_tokens} output"),
+            ("priority", job.priority),
+            ("deadline", deadline(job, with_window=True)),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),
             ("wall s", _num(job.wall_seconds)), ("output tok/s", _num(job.output_tok_s)),
             ("latency p50/p95/p99 s", "/".join(_num(v) for v in (job.latency_p50, job.latency_p95, job.latency_p99))),
@@ -155,6 +159,29 @@ def not_ended_note(job) -> str | None:
     if job.status in JobStatus.terminal():
         return None
     return f"job {job.id} is {job.status}: only the shards committed so far are included"
+
+
+def deadline(job, now=None, with_window: bool = False) -> str:
+    """When a job's completion window ends and the time left, e.g. "2026-12-02 03:00 (1h 5m left)";
+    "-" without a window."""
+    from jobs.ledger import utcnow
+
+    if job.expires_at is None:
+        return "-"
+    text = f"{job.expires_at:%Y-%m-%d %H:%M:%S}"
+    if with_window:
+        text += f" (window {job.completion_window})"
+    if job.status in JobStatus.terminal():
+        return text
+    left = (job.expires_at - (now or utcnow())).total_seconds()
+    return f"{text}, {_duration(left)} left" if left > 0 else f"{text}, passed"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s" if m else f"{s}s"
 
 
 def _num(value) -> str:

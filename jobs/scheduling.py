@@ -1,0 +1,45 @@
+"""What a job says about when it runs: its priority and its completion window.
+
+Plain values only (the ledger stores the words; workers.broker turns a priority into the
+broker's message priority), so this module knows nothing of Celery or SQL.
+"""
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+# Highest first: a worker takes a higher-priority job's shards before a lower one's.
+PRIORITIES = ("high", "normal", "low")
+DEFAULT_PRIORITY = "normal"
+
+# The error code (OpenAI's) of a request a job's completion window left without an answer.
+EXPIRED_CODE = "batch_expired"
+
+_WINDOW = re.compile(r"\s*(\d+)\s*([smhd])\s*")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def priority_rank(priority: str | None) -> int:
+    """0 for the highest priority; an unknown or missing one ranks as the default."""
+    return PRIORITIES.index(priority if priority in PRIORITIES else DEFAULT_PRIORITY)
+
+
+def parse_window(text: str) -> timedelta:
+    """A completion window such as "24h", "8h", "30m", "20s" (or "2d") as a timedelta;
+    ValueError for anything else, or for a window of zero."""
+    m = _WINDOW.fullmatch(text or "")
+    if not m or int(m[1]) == 0:
+        raise ValueError(f"a completion window is a positive whole number of seconds, minutes, hours or "
+                         f"days, such as 24h, 8h, 30m or 20s; got {text!r}")
+    return timedelta(seconds=int(m[1]) * _UNIT_S[m[2]])
+
+
+def expired_error(window: str | None) -> str:
+    """The error of a result row whose request the job's completion window left unanswered;
+    it starts with EXPIRED_CODE, which the OpenAI export reports as the error's code."""
+    return f"{EXPIRED_CODE}: the job's completion window ({window}) ended before this request finished"
+
+
+def error_code(error: str | None) -> str | None:
+    """EXPIRED_CODE if a row's error says so, else None."""
+    return EXPIRED_CODE if error and error.startswith(f"{EXPIRED_CODE}:") else None
