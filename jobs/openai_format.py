@@ -32,7 +32,8 @@ _STATUS = {status.value: status.value for status in JobStatus} | {
     JobStatus.QUEUED.value: JobStatus.IN_PROGRESS.value, JobStatus.EXPIRING.value: JobStatus.FINALIZING.value}
 _FINISHED = {status.value for status in JobStatus.terminal()}
 _SUCCESSES = {reason.value for reason in FinishReason if reason.is_success}
-_ERROR_CODES = {FinishReason.ERROR: "request_failed", FinishReason.CANCELLED: "batch_cancelled"}
+_ERROR_CODES = {FinishReason.ERROR: "request_failed", FinishReason.CANCELLED: "batch_cancelled",
+                FinishReason.TIMEOUT: "request_timeout"}
 _LINE_ERROR = re.compile(r"line (\d+): (.*)")
 
 

@@ -72,6 +72,12 @@ def sampling_settings(req: dict, labels: dict, problems: list[str]) -> dict:
     return out
 
 
+def request_timeout(req: dict, problems: list[str]) -> float | None:
+    """A line's own timeout_s (seconds it may run once started), or None."""
+    value = req.get("timeout_s")
+    return None if value is None else check(_float_in(lambda x: x > 0, "> 0"), "timeout_s", value, None, problems)
+
+
 def check(fn, name: str, value, arg, problems: list[str]):
     """Run one field check, turning its failure into a problem of the line."""
     try:

@@ -22,13 +22,13 @@ from typing import BinaryIO, Iterator
 
 from jobs.atomic import describe_file_type
 from jobs.request_fields import (
-    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, Bad, check, describe, openai_body, request_inputs, sampling_settings, string,
+    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, Bad, check, describe, openai_body, request_inputs, request_timeout, sampling_settings, string,
     too_deep,
 )
 
 _BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
-_PIPELINE_KEYS = {"id", "prompt", "messages", *SAMPLING_DEFAULTS}
+_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", *SAMPLING_DEFAULTS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -71,12 +71,15 @@ class RequestSpec:
     stop: list[str]
     ignore_eos: bool
     model: str | None = None
+    timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
 
     def to_dict(self) -> dict:
-        """The shard-file line of docs/contracts.md; `model` only when the input named one."""
+        """The shard-file line of docs/contracts.md; `model` and `timeout_s` only when the
+        input gave them."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        if d["model"] is None:
-            del d["model"]
+        for optional in ("model", "timeout_s"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
     @classmethod
@@ -229,6 +232,7 @@ class _Reader:
             rid, model, req, labels = self._pipeline(number, obj, problems)
         inputs = request_inputs(req, self.limits.max_prompt_chars, problems)
         sampling = sampling_settings(req, labels, problems)
+        timeout_s = request_timeout(req, problems)
         if model is not None and self.job_model is not None and model not in _names_of(self.job_model):
             problems.append(f"model {model!r} is not the job's model {self.job_model!r}; "
                             "a job runs one model (choose it with --model, or leave body.model out)")
@@ -236,7 +240,7 @@ class _Reader:
             self._claim(number, rid, problems)
         if problems:
             raise Bad("; ".join(problems))
-        return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model)
+        return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s)
 
     def _parse(self, number: int, raw: bytes) -> dict:
         if number == 1 and raw.startswith(_BOM):

@@ -44,7 +44,8 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     return {
         "total_requests": table.num_rows,
         "completed_requests": pc.sum(ok).as_py() or 0,
-        "failed_requests": pc.sum(pc.equal(reason, FinishReason.ERROR.value)).as_py() or 0,
+        "failed_requests": pc.sum(pc.is_in(reason, pa.array([r.value for r in FinishReason if r.is_failure])))
+                           .as_py() or 0,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "cached_tokens": cached_tokens,

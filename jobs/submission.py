@@ -165,7 +165,7 @@ def create_retry_job(
         reason = FinishReason(row["finish_reason"])
         if reason.is_success:
             answered.add(row["id"])
-        elif reason == FinishReason.ERROR:
+        elif reason.is_failure:
             failed.add(row["id"])
     taken = {request.id for job in earlier for index in range(job.num_shards)
              for request in read_shard(JobPaths(root, job.id).input_shard(index))}

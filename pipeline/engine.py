@@ -138,7 +138,8 @@ class Engine:
         try:
             prompt_ids = self.tokenize(request)
             seq = Sequence(request.id, prompt_ids, request.params,
-                           IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival)
+                           IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival,
+                           timeout_s=request.timeout_s)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
             return _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
         error = self.scheduler.admission_error(seq)
@@ -152,7 +153,10 @@ class Engine:
         self.scheduler.abort(set(request_ids))
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it (or timed out before it)."""
+        timed_out = self._retire_timed_out()
+        if not self.scheduler.num_unfinished:
+            return timed_out
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with work pending")
@@ -172,10 +176,10 @@ class Engine:
             seq.num_computed_tokens += n
         self.num_steps += 1
         if not sampling:
-            return []
+            return timed_out
         tokens = self.sampler(logits, sampling)
         now = time.perf_counter()
-        finished = []
+        finished = timed_out
         for seq, token in zip(sampling, tokens):
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -184,6 +188,16 @@ class Engine:
                 self.scheduler.finish(seq)
                 finished.append(_output_of(seq))
         return finished
+
+    def _retire_timed_out(self) -> list[RequestOutput]:
+        """End the sequences that ran past their timeout_s, keeping what they generated."""
+        now = time.perf_counter()
+        expired = [seq for seq in self.scheduler.unfinished() if seq.is_timed_out(now)]
+        for seq in expired:
+            seq.detokenizer.flush()
+            seq.finish_reason, seq.finish_time = FinishReason.TIMEOUT, now
+            self.scheduler.finish(seq)   # frees its blocks
+        return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s") for seq in expired]
 
     def _append_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; returns True when the sequence is finished."""
@@ -203,13 +217,13 @@ class Engine:
         return True
 
 
-def _output_of(seq: Sequence) -> RequestOutput:
+def _output_of(seq: Sequence, error: str | None = None) -> RequestOutput:
     return RequestOutput(
         id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
-        finish_reason=seq.finish_reason, error=None, prompt_tokens=seq.num_prompt_tokens,
+        finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,
         output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
-        ttft_s=seq.first_token_time - seq.arrival_time, latency_s=seq.finish_time - seq.arrival_time,
-        cached_tokens=seq.num_cached_tokens or 0)
+        ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0)
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:

@@ -13,6 +13,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"        # max_tokens or the model's context length
     ERROR = "error"          # the request could not run (`error` says why)
     CANCELLED = "cancelled"  # dropped unfinished (job cancelled); written by the job side
+    TIMEOUT = "timeout"      # still running after its timeout_s: its partial text is kept
 
     def __str__(self) -> str:
         return self.value
@@ -21,26 +22,38 @@ class FinishReason(str, Enum):
     def is_success(self) -> bool:
         return self in (FinishReason.STOP, FinishReason.LENGTH)
 
+    @property
+    def is_failure(self) -> bool:
+        """The request ran (or tried to) and failed; it counts as failed and can be retried."""
+        return self in (FinishReason.ERROR, FinishReason.TIMEOUT)
+
 
 @dataclass(slots=True)
 class Request:
     """One generation request: a raw `prompt`, chat `messages` (rendered with the
-    tokenizer's chat template), or already tokenised `prompt_token_ids`."""
+    tokenizer's chat template), or already tokenised `prompt_token_ids`. timeout_s: the
+    longest it may run, from its first step (its wait for a place in the batch does not
+    count); then it ends with finish_reason timeout, its partial text kept and its KV
+    blocks freed."""
     id: str
     prompt: str | None = None
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    timeout_s: float | None = None
 
     def __post_init__(self):
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
         if given != 1:
             raise ValueError(f"request {self.id!r}: give exactly one of prompt, messages, prompt_token_ids")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"request {self.id!r}: timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A finished request: stop or length, or error (then `error` says why).
+    """A finished request: stop or length, timeout (with its partial text; `error` says
+    so), or error (then `error` says why).
 
     cached_tokens: prompt tokens whose KV came from the prefix cache instead of being computed.
     Times are seconds: queue_s from submission to first scheduled, ttft_s from submission to

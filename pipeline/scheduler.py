@@ -109,6 +109,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def unfinished(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence at once and return its blocks (finished or cancelled)."""
         if seq in self.running:
@@ -120,14 +123,14 @@ class Scheduler:
 
     def abort(self, request_ids: set[str]) -> list[Sequence]:
         """Drop the unfinished sequences of these requests; returns them."""
-        dropped = [s for s in (*self.running, *self.waiting) if s.request_id in request_ids]
+        dropped = [s for s in self.unfinished() if s.request_id in request_ids]
         for seq in dropped:
             self.finish(seq)
         return dropped
 
     def abort_all(self) -> list[Sequence]:
         """Drop every unfinished sequence (cancellation); returns them."""
-        dropped = list(self.running) + list(self.waiting)
+        dropped = self.unfinished()
         for seq in dropped:
             self.finish(seq)
         return dropped

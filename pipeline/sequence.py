@@ -25,7 +25,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, arrival_time: float | None = None):
+                 detokenizer: IncrementalDetokenizer, arrival_time: float | None = None,
+                 timeout_s: float | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -45,7 +46,12 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.timeout_s = timeout_s   # from first_scheduled_time (see Request)
         self.generator = None  # a torch.Generator when params.seed is set (see sampler)
+
+    def is_timed_out(self, now: float) -> bool:
+        return (self.timeout_s is not None and self.first_scheduled_time is not None
+                and now - self.first_scheduled_time >= self.timeout_s)
 
     @property
     def num_prompt_tokens(self) -> int:

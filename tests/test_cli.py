@@ -349,3 +349,29 @@ def test_run_with_a_model_that_cannot_load_fails_the_job(runner, data_root, tmp_
     with Session() as s:
         (job,) = list_jobs(s)
         assert job.status == "failed" and "could not start" in job.error
+
+
+def test_request_timeouts_end_long_requests_as_failed_rows_keeping_their_text(runner, data_root, tiny_model_dir,
+                                                                             tmp_path, Session):
+    """--request-timeout for the job, timeout_s on a line winning over it: the long requests
+    end `timeout` with what they had generated, count as failed, and `retry --only-failed`
+    would take them; the short ones answer normally. A bad timeout_s names its line."""
+    rows = [{"id": "long-job-timeout", "prompt": "Count", "max_tokens": 400, "ignore_eos": True},
+            {"id": "long-own-timeout", "prompt": "Count", "max_tokens": 400, "ignore_eos": True, "timeout_s": 0.1},
+            {"id": "short", "prompt": "Hi", "max_tokens": 3, "timeout_s": 600}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--request-timeout", "0.3", *FAST])
+    assert result.exit_code == 0, result.output   # the job ran to the end
+    with Session() as s:
+        (job,) = list_jobs(s)
+    table = {r["id"]: r for r in read_results(JobPaths(data_root, job.id).results_dir).to_pylist()}
+    for rid, after in (("long-job-timeout", "0.3"), ("long-own-timeout", "0.1")):
+        row = table[rid]
+        assert row["finish_reason"] == "timeout" and row["error"] == f"timed out after {after} s"
+        assert 1 <= row["output_tokens"] < 400 and row["output"]
+    assert table["short"]["finish_reason"] == "length"
+    assert (job.completed_requests, job.failed_requests, job.request_timeout_s) == (1, 2, 0.3)
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rows[2], {**rows[2], "id": "x", "timeout_s": -1}])
+    refused = runner.invoke(main, ["run", str(bad), "--model", str(tiny_model_dir), *FAST])
+    assert refused.exit_code == 2 and "line 2: timeout_s must be a number > 0" in refused.stderr, refused.output

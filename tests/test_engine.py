@@ -278,6 +278,24 @@ def test_bfloat16_runs(tiny_model_dir):
         assert out.output_tokens == 6
 
 
+def test_a_request_past_its_timeout_ends_with_its_partial_text_and_frees_its_blocks(tiny_engine):
+    """timeout_s counts from the request's first step: the prefill step always runs (and
+    samples one token), so a timed-out request keeps at least that; the others run on."""
+    timed = Request("timed", prompt_token_ids=[5, 6, 7], params=greedy(400, ignore_eos=True), timeout_s=0.2)
+    others = [Request(f"o{i}", prompt_token_ids=[8 + i, 9], params=greedy(6, ignore_eos=True)) for i in range(3)]
+    outs = run(tiny_engine, [timed, *others])
+    out = outs["timed"]
+    assert out.finish_reason == "timeout" and out.error == "timed out after 0.2 s"
+    assert 1 <= out.output_tokens < 400 and out.output_tokens == len(out.token_ids)
+    assert out.text == tiny_engine.tokenizer.decode(out.token_ids) and out.latency_s >= 0.2
+    for rid in ("o0", "o1", "o2"):
+        check_output(outs[rid], tiny_engine)
+        assert outs[rid].output_tokens == 6
+    assert all_blocks_free(tiny_engine)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        Request("bad", prompt="x", timeout_s=0)
+
+
 def test_tiny_pool_preempts_and_still_matches_big_pool(tiny_engine, small_pool_engine):
     rng = random.Random(1)
     requests = [Request(f"p{i}", prompt_token_ids=random_prompt(rng, n), params=greedy(m, ignore_eos=True))

@@ -29,10 +29,10 @@ from workers.recovery import recover
 FAST_ARGS = ["--kv-cache-gib", str(FAST["kv_cache_gib"]), "--device", FAST["device"]]
 
 
-def small_batch_worker(c: Cluster, in_flight: int):
+def small_batch_worker(c: Cluster, in_flight: int, max_num_seqs: int = 2):
     """A worker whose engine batch holds 2 sequences (so about two 2-request shards run at
     once) and that reserves `in_flight` shard messages: the rest wait at its gate."""
-    engines = json.dumps([{**c.engine_options, "max_num_seqs": 2}])   # batch limits are not in the engine key
+    engines = json.dumps([{**c.engine_options, "max_num_seqs": max_num_seqs}])   # not in the engine key
     proc = c.start_worker(PIPELINE_WORKER_ENGINES=engines, PIPELINE_SHARDS_IN_FLIGHT=in_flight)
     c.wait_for("the worker's engine", lambda: " loaded in " in c.log(proc), timeout=120)
     return proc
@@ -76,8 +76,9 @@ def test_a_high_priority_job_starts_at_the_next_shard_boundary(sqlite_url, clust
 def test_a_job_past_its_window_expires_keeping_its_answers_and_retry_runs_the_rest(
         sqlite_url, cluster_factory, tmp_path):
     c = cluster_factory(sqlite_url)
-    small_batch_worker(c, in_flight=2)
-    rows = long_rows("w-", 24, 40)
+    # One sequence at a time: 32 x 300 decode steps take far longer than 20 s on any machine.
+    small_batch_worker(c, in_flight=2, max_num_seqs=1)
+    rows = long_rows("w-", 32, 300)
     ids = [r["id"] for r in rows]
     job_id = submit(c, tmp_path, rows, "--shard-size", "2", "--completion-window", "20s")
     assert c.job(job_id).expires_at is not None
@@ -94,9 +95,10 @@ def test_a_job_past_its_window_expires_keeping_its_answers_and_retry_runs_the_re
     assert (job.completed_requests, job.failed_requests) == (len(answered), len(expired))
     assert sum(sh.failed_requests for sh in c.shards(job_id)) == len(expired)
     assert any(r["output"] for r in expired) or len(expired) % 2 == 0   # partial shards keep their answers
-    retry = c.cli("retry", job_id, "--completion-window", "10m", "--wait")
+    # here, in full batches (the job's own engine options), rather than one at a time on the worker
+    retry = c.cli("retry", job_id, "--completion-window", "10m", "--local")
     assert retry.returncode == 0, retry.stderr
-    retry_id = retry.stdout.strip()
+    retry_id = retry.stdout.split()[0]   # then --local's summary
     assert c.job(retry_id).total_requests == len(expired)
     c.assert_answered_once([job_id, retry_id], ids)
 

@@ -133,11 +133,13 @@ def run_shard(
     return ShardOutcome(status)
 
 
-def to_request(spec: RequestSpec) -> Request:
-    """The engine request of a shard line; ValueError if the engine rejects its settings."""
+def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
+    """The engine request of a shard line (timeout_s: the job's, for a line without its
+    own); ValueError if the engine rejects its settings."""
     # Every sampling setting a shard line carries (stop_token_ids is engine-only).
     params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)})
-    return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params)
+    return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params,
+                   timeout_s=spec.timeout_s or timeout_s)
 
 
 def commit_error_rows(Session, root, job_id: str, index: int, attempt: int, error: str, *, tmp_path) -> bool:
@@ -159,7 +161,7 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
     requests = []
     for spec in specs:
         try:
-            requests.append(to_request(spec))
+            requests.append(to_request(spec, job.request_timeout_s))
         except ValueError as e:  # e.g. a sampling setting the engine rejects: this request fails alone
             rows[spec.id] = _row(_error_output(spec.id, f"invalid request: {e}"), index, attempt)
             _notify(on_result, rows[spec.id])
@@ -190,7 +192,7 @@ def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=
     with Session() as s:
         return ledger.commit_shard(
             s, job_id, index, attempt, completed=len(ok),
-            failed=sum(r["finish_reason"] == FinishReason.ERROR for r in rows),
+            failed=sum(FinishReason(r["finish_reason"]).is_failure for r in rows),
             prompt_tokens=sum(r["prompt_tokens"] for r in rows),
             output_tokens=sum(r["output_tokens"] for r in rows),
             cached_tokens=sum(r["cached_tokens"] for r in rows),

@@ -41,19 +41,27 @@ COMPLETION_WINDOW = click.option(
          "without an answer gets an error row (code batch_expired) that `pipeline retry` runs again.")
 
 
+REQUEST_TIMEOUT = click.option(
+    "--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+    help="A request still running this long after it started ends with finish_reason timeout (an "
+         "error row keeping its partial text; its KV blocks are freed). A line's own timeout_s wins.  "
+         "[default: none]")
+
+
 @click.command("submit")
 @click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @PRIORITY
 @COMPLETION_WINDOW
+@REQUEST_TIMEOUT
 @click.option("--wait-for-capacity", is_flag=True,
               help="When PIPELINE_MAX_QUEUED_REQUESTS would be passed, wait until there is room "
                    "instead of refusing the job (exit 4).")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
 @settings_options("broker_url", "max_queued_requests")
-def submit_command(file, engine_options, shard_size, priority, completion_window, wait_for_capacity, wait,
-                   settings):
+def submit_command(file, engine_options, shard_size, priority, completion_window, request_timeout,
+                   wait_for_capacity, wait, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -63,7 +71,7 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
     check_broker(settings)  # before creating anything: no job may wait for a broker that is down
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
-                      max_queued_requests=settings.max_queued_requests or None)
+                      request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size, scheduling,
                                 wait_for_capacity=wait_for_capacity)
     _enqueue_or_abandon(Session, settings, job_id, sizes)
@@ -76,8 +84,9 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
 @click.argument("file", type=INPUT_FILE)
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@REQUEST_TIMEOUT
 @settings_options("shards_in_flight", "metrics_port")
-def run_command(file, engine_options, shard_size, settings):
+def run_command(file, engine_options, shard_size, request_timeout, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -87,7 +96,8 @@ def run_command(file, engine_options, shard_size, settings):
     """
     serve_metrics(settings)
     Session = sessions(settings)
-    job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size)
+    job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
+                                dict(request_timeout_s=request_timeout))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
     _run_here(Session, settings, job_id, engine_options)
 

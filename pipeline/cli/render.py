@@ -35,7 +35,7 @@ class Progress:
 
     def advance(self, finish_reason: str, n: int = 1) -> None:
         with self._lock:
-            self.failed += n if finish_reason == FinishReason.ERROR else 0
+            self.failed += n if FinishReason(finish_reason).is_failure else 0
             self.bar.update(self.task, advance=n, failed=self.failed)
 
     def note(self, text: str) -> None:
