@@ -37,6 +37,7 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     warm = requests[0]
     list(engine.generate([Request("warm-up", prompt=warm.prompt, params=SamplingParams(max_tokens=2, temperature=0))]))
     engine.reset_prefix_cache()   # the timed run starts cold, as a new job's first shard does
+    engine.block_manager.reset_peak()
     start = time.perf_counter()
     outputs = list(engine.generate(requests))
     seconds = time.perf_counter() - start
@@ -51,4 +52,6 @@ def run_bench(path: str, config: EngineConfig) -> dict:
             "output_tok_s": round(output_tokens / seconds, 2),
             "total_tok_s": round((output_tokens + prompt_tokens) / seconds, 2),
             "cached_tokens": cached_tokens,
-            "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0}
+            "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
+            "kv_blocks": engine.block_manager.num_blocks,
+            "kv_peak_utilization": round(engine.block_manager.peak_utilization, 4)}

@@ -50,6 +50,7 @@ class BlockManager:
         # Unused but still holding cached content, least recently used first.
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.cached_block_ids: dict[bytes, int] = {}                  # hash -> block id
+        self.peak_used_blocks = 0   # most blocks held by sequences at once (reset_peak())
 
     # ---- state ------------------------------------------------------------------------
 
@@ -67,6 +68,14 @@ class BlockManager:
     def utilization(self) -> float:
         """Fraction of the pool held by sequences (cached but unused blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def peak_utilization(self) -> float:
+        """The highest `utilization` since the pool was made or reset_peak() was called."""
+        return self.peak_used_blocks / self.num_blocks
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -135,6 +144,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, num_tokens // self.block_size)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return True
 
     def free(self, seq: Sequence) -> None:

@@ -10,6 +10,8 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
+
 from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
 from pipeline.detokenizer import IncrementalDetokenizer
@@ -38,11 +40,12 @@ class Engine:
             pack_linear_layers(self.model)   # CPU float32 and bfloat16; elsewhere it changes nothing
         self.eos_token_ids = self._eos_token_ids()
 
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
             config.kv_cache_gib * 2**30, args.num_layers, args.num_kv_heads, args.head_dim,
-            config.block_size, dtype)
+            config.block_size, kv_dtype)
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size,
-                           num_blocks, dtype, self.device)
+                           num_blocks, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,

@@ -23,6 +23,9 @@ class ModelRunner:
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[i]
             layer.self_attn.v_cache = kv_cache.v[i]
+            if kv_cache.k_scale is not None:
+                layer.self_attn.k_scale = kv_cache.k_scale[i]
+                layer.self_attn.v_scale = kv_cache.v_scale[i]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

@@ -349,3 +349,22 @@ def test_run_with_a_model_that_cannot_load_fails_the_job(runner, data_root, tmp_
     with Session() as s:
         (job,) = list_jobs(s)
         assert job.status == "failed" and "could not start" in job.error
+
+
+def test_bench_with_an_int8_kv_cache_reports_blocks_and_peak_use(runner, data_root, tiny_model_dir, tmp_path):
+    """--kv-cache-dtype is an engine option of every command; bench's JSON line keeps its
+    keys and adds the pool's size and its peak use."""
+    src = write_jsonl(tmp_path / "w.jsonl", [{"id": str(i), "prompt": f"Count to {i}:", "max_tokens": 4,
+                                              "temperature": 0, "ignore_eos": True} for i in range(3)])
+    for command in ("run", "submit", "bench"):
+        assert "--kv-cache-dtype [auto|int8]" in runner.invoke(main, [command, "--help"]).output, command
+    lines = {}
+    for kv in ("auto", "int8"):
+        result = runner.invoke(main, ["bench", str(src), "--model", str(tiny_model_dir), "--kv-cache-dtype", kv, *FAST])
+        assert result.exit_code == 0, result.output
+        lines[kv] = json.loads(result.output.strip().splitlines()[-1])
+    auto, int8 = lines["auto"], lines["int8"]
+    assert {"engine", "requests", "output_tokens", "output_tok_s", "total_tok_s", "prefix_hit_rate"} <= set(int8)
+    assert int8["output_tokens"] == auto["output_tokens"] == 12
+    assert int8["kv_blocks"] >= 3 * auto["kv_blocks"] > 0      # float32 here: 4 bytes -> 1 + a scale
+    assert 0 < int8["kv_peak_utilization"] < auto["kv_peak_utilization"] <= 1
