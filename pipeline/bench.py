@@ -47,6 +47,8 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     prompt_tokens = sum(o.prompt_tokens for o in outputs)
     output_tokens = sum(o.output_tokens for o in outputs)
     cached_tokens = sum(o.cached_tokens for o in outputs)
+    draft_tokens = sum(o.draft_tokens for o in outputs)
+    accepted_tokens = sum(o.accepted_tokens for o in outputs)
     return {"engine": "pipeline", "requests": len(outputs), "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "seconds": round(seconds, 3),
             "output_tok_s": round(output_tokens / seconds, 2),
@@ -54,4 +56,6 @@ def run_bench(path: str, config: EngineConfig) -> dict:
             "cached_tokens": cached_tokens,
             "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
             "kv_blocks": engine.block_manager.num_blocks,
-            "kv_peak_utilization": round(engine.block_manager.peak_utilization, 4)}
+            "kv_peak_utilization": round(engine.block_manager.peak_utilization, 4),
+            "draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens,
+            "acceptance_rate": round(accepted_tokens / draft_tokens, 4) if draft_tokens else 0.0}

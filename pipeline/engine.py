@@ -25,6 +25,7 @@ from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
 from pipeline.sequence import Sequence
+from pipeline.speculative import Speculator
 
 
 class Engine:
@@ -55,6 +56,7 @@ class Engine:
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.model, kv_cache, self.device)
         self.sampler = Sampler(self.device)
+        self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
         self.num_steps = 0
 
     @property
@@ -154,6 +156,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with work pending")
@@ -174,16 +177,18 @@ class Engine:
         self.num_steps += 1
         if not sampling:
             return []
-        tokens = self.sampler(logits, sampling)
+        new_tokens = self.speculator.sample(logits, sampling)   # one each; up to 1 + K with drafts
         now = time.perf_counter()
         finished = []
-        for seq, token in zip(sampling, tokens):
+        for seq, tokens in zip(sampling, new_tokens):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if self._append_token(seq, token):
+            if any(self._append_token(seq, token) for token in tokens):   # stops at the first that ends it
                 seq.finish_time = now
                 self.scheduler.finish(seq)
                 finished.append(_output_of(seq))
+            elif seq.draft_token_ids:
+                self.scheduler.discard_rejected(seq)
         return finished
 
     def _append_token(self, seq: Sequence, token: int) -> bool:
@@ -210,7 +215,8 @@ def _output_of(seq: Sequence) -> RequestOutput:
         finish_reason=seq.finish_reason, error=None, prompt_tokens=seq.num_prompt_tokens,
         output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
         ttft_s=seq.first_token_time - seq.arrival_time, latency_s=seq.finish_time - seq.arrival_time,
-        cached_tokens=seq.num_cached_tokens or 0)
+        cached_tokens=seq.num_cached_tokens or 0, draft_tokens=seq.num_draft_tokens,
+        accepted_tokens=seq.num_accepted_tokens)
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:

@@ -632,7 +632,8 @@ def test_bundled_int8_kv_cache_keeps_the_answer(bundled_outputs):
 def recording_logits(engine: Engine, monkeypatch) -> list[torch.Tensor]:
     """Every step's logits, as the sampler receives them."""
     seen, sample = [], engine.sampler.__call__
-    monkeypatch.setattr(engine, "sampler", lambda logits, seqs: (seen.append(logits.clone()), sample(logits, seqs))[1])
+    monkeypatch.setattr(engine.speculator, "sampler",   # what the engine's step samples with
+                        lambda logits, seqs: (seen.append(logits.clone()), sample(logits, seqs))[1])
     return seen
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from jobs.settings import LOG_FORMATS, Settings, default, env_var
-from pipeline.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from pipeline.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 
 _SETTING_OPTIONS = {
     "data_dir": dict(decls=("--data-dir",), type=click.Path(file_okay=False), show_default=True,
@@ -84,6 +84,12 @@ _ENGINE_OPTIONS = {
     "pack_weights": dict(help="CPU: keep weights packed once at load, float32 in MKL's layout (about 3x "
                               "the float32 weight memory), bfloat16 in oneDNN's (no extra memory): faster "
                               "decode steps  [default: on]"),
+    "speculative": dict(type=click.Choice(SPECULATIVE_METHODS),
+                        help="ngram: speculative decoding by prompt lookup: draft the tokens that "
+                             "followed the last earlier occurrence of a sequence's latest tokens in its "
+                             "own prompt and output, verify them in one pass. Same greedy output, same "
+                             "sampling distribution; faster where outputs copy their input  [default: none]"),
+    "num_speculative_tokens": dict(help="Most draft tokens per sequence and step (with --speculative)."),
 }
 _SCALARS = {"str": str, "int": int, "float": float}
 

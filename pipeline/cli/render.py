@@ -119,7 +119,9 @@ def print_job(job, counts: dict, next_step: str | None = None) -> None:
                          f"{job.total_requests} total"),
             ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
             ("tokens", f"{job.prompt_tokens} prompt ({job.cached_tokens or 0} from the prefix cache), "
-                       f"{job.output_tokens} output"),
+                       f"{job.output_tokens} output"
+                       + (f" ({job.accepted_tokens} of {job.draft_tokens} speculative drafts accepted)"
+                          if job.draft_tokens else "")),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),
             ("wall s", _num(job.wall_seconds)), ("output tok/s", _num(job.output_tok_s)),
             ("latency p50/p95/p99 s", "/".join(_num(v) for v in (job.latency_p50, job.latency_p95, job.latency_p99))),
