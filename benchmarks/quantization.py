@@ -2,10 +2,15 @@
 """Measure each quantization mode on this machine: weight memory, throughput, quality.
 
     python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16] [--dtype float32]
+    python benchmarks/quantization.py --kv-cache ...    # the KV-cache rows instead
 
 Quality is perplexity of the model on a fixed English text (teacher forcing through our
 own model code) and greedy agreement with float32: the share of greedy tokens, over a
 few prompts, that equal float32's before the first difference.
+With --kv-cache it compares the KV-cache dtypes (auto, int8) on float32 MKL-packed
+weights, and the perplexity is computed in chunks of one block whose attention reads
+every key and value back from the cache (in one unchunked pass a prompt's attention
+uses its fresh keys and values, so a quantized cache would not show).
 Prints one JSON line per mode; the README's table comes from this script.
 """
 from __future__ import annotations
@@ -48,18 +53,27 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def perplexity(engine: Engine, text: str) -> float:
+def perplexity(engine: Engine, text: str, through_cache: bool = False) -> float:
     ids = engine.tokenizer.encode(text)
     n = len(ids)
-    num_blocks = -(-n // engine.config.block_size)
-    slots = torch.arange(n)  # blocks 0.. are free in a fresh engine
+    bs = engine.config.block_size
+    num_blocks = -(-n // bs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks >= num_blocks
     kv = engine.runner.kv_cache
-    meta = AttentionMetadata(cache_rows=cache_rows(slots, kv.k.shape[2], kv.block_size), decode=None,
-                             prefills=[PrefillChunk(0, n, None, None)])
-    hidden = engine.model(torch.tensor(ids), torch.arange(n), meta)
-    logits = engine.model.compute_logits(hidden[:-1])
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    chunk = bs if through_cache else n
+    logits = []
+    for start in range(0, n, chunk):   # blocks 0.. are free in a fresh engine: slot = position
+        end = min(start + chunk, n)
+        slots = torch.arange(start, end)
+        if through_cache:   # attend to every key so far, read back from the cache
+            q_pos = torch.arange(start, end).unsqueeze(1)
+            prefill = PrefillChunk(0, end - start, torch.arange(-(-end // bs)), torch.arange(end).unsqueeze(0) <= q_pos)
+        else:
+            prefill = PrefillChunk(0, end - start, None, None)
+        meta = AttentionMetadata(cache_rows=cache_rows(slots, kv.num_kv_heads, kv.block_size), decode=None,
+                                 prefills=[prefill])
+        logits.append(engine.model.compute_logits(engine.model(torch.tensor(ids[start:end]), slots, meta)))
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], torch.tensor(ids[1:]))
     return math.exp(nll.item())
 
 
@@ -76,13 +90,18 @@ def main():
     ap.add_argument("--requests", required=True)
     ap.add_argument("--n", type=int, default=16, help="requests of the workload to time")
     ap.add_argument("--dtype", default="float32", help="compute dtype (the README's table: float32)")
+    ap.add_argument("--kv-cache", action="store_true", help="compare the KV-cache dtypes instead")
     a = ap.parse_args()
     workload = read_workload(a.requests)[:a.n]
     reference = None
     # "none" twice: plain float32 weights, then MKL-packed (the CPU float32 default).
-    for mode, packed in (("none", False), ("none", True), ("int8", False), ("nf4", False)):
-        engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, quantization=mode, pack_weights=packed))
-        ppl = perplexity(engine, TEXT)
+    modes = [("none", False, "auto"), ("none", True, "auto"), ("int8", False, "auto"), ("nf4", False, "auto")]
+    if a.kv_cache:
+        modes = [("none", True, "auto"), ("none", True, "int8")]
+    for mode, packed, kv_dtype in modes:
+        engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, quantization=mode, pack_weights=packed,
+                                     kv_cache_dtype=kv_dtype))
+        ppl = perplexity(engine, TEXT, through_cache=a.kv_cache)
         tokens = greedy(engine, 32)
         if reference is None:
             reference = tokens
@@ -92,7 +111,8 @@ def main():
         outs = list(engine.generate(workload))
         seconds = time.perf_counter() - start
         total = sum(o.prompt_tokens + o.output_tokens for o in outs)
-        print(json.dumps({"quantization": mode + (" (packed)" if packed else ""),
+        print(json.dumps({"quantization": mode + (" (packed)" if packed else ""), "kv_cache_dtype": kv_dtype,
+                          "kv_blocks": engine.block_manager.num_blocks,
                           "weight_mib": round(weight_bytes(engine.model) / 2**20, 1),
                           "total_tok_s": round(total / seconds, 1), "perplexity": round(ppl, 3),
                           "greedy_agreement": round(agree, 3)}), flush=True)

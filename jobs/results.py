@@ -22,6 +22,8 @@ RESULT_SCHEMA = pa.schema([
     ("prompt_tokens", pa.int32()),
     ("output_tokens", pa.int32()),
     ("cached_tokens", pa.int32()),   # prompt tokens served from the prefix cache (null: older results)
+    ("draft_tokens", pa.int32()),    # speculative decoding: tokens drafted (null: older results)
+    ("accepted_tokens", pa.int32()), # ... and accepted by verification
     ("finish_reason", pa.string()),  # a pipeline.request.FinishReason value
     ("error", pa.string()),
     ("queue_s", pa.float64()),

@@ -15,8 +15,8 @@ from pipeline.request import FinishReason
 _SUCCESSES = pa.array([reason.value for reason in FinishReason if reason.is_success])
 
 _INT_KEYS = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens",
-             "cached_tokens")
-_FLOAT_KEYS = ("prefix_hit_rate", "wall_seconds", "output_tok_s", "total_tok_s",
+             "cached_tokens", "draft_tokens", "accepted_tokens")
+_FLOAT_KEYS = ("prefix_hit_rate", "acceptance_rate", "wall_seconds", "output_tok_s", "total_tok_s",
                "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95")
 STATS_SCHEMA = pa.schema([("job_id", pa.string())]
                          + [(k, pa.int64()) for k in _INT_KEYS]
@@ -30,15 +30,19 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     failed are "error" rows ("cancelled" rows count in the total only). Percentiles
     (linear interpolation) are over completed rows, so that truncated cancelled requests
     do not skew them; None when there are none. prefix_hit_rate is the share of prompt
-    tokens served from the engine's prefix cache (None without prompt tokens). Throughputs are None unless wall_seconds > 0.
+    tokens served from the engine's prefix cache (None without prompt tokens). acceptance_rate
+    is the share of speculative draft tokens accepted (None when nothing was drafted).
+    Throughputs are None unless wall_seconds > 0.
     """
     table = read_results(results_dir, columns=[
-        "prompt_tokens", "output_tokens", "cached_tokens", "finish_reason", "ttft_s", "latency_s"])
+        "prompt_tokens", "output_tokens", "cached_tokens", "draft_tokens", "accepted_tokens",
+        "finish_reason", "ttft_s", "latency_s"])
     reason = table["finish_reason"]
     ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
     prompt_tokens = _sum(table["prompt_tokens"])
     output_tokens = _sum(table["output_tokens"])
     cached_tokens = _sum(table["cached_tokens"])
+    draft_tokens, accepted_tokens = _sum(table["draft_tokens"]), _sum(table["accepted_tokens"])
     latency = _percentiles(table["latency_s"].filter(ok), (50, 95, 99))
     ttft = _percentiles(table["ttft_s"].filter(ok), (50, 95))
     return {
@@ -50,6 +54,9 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
         "output_tokens": output_tokens,
         "cached_tokens": cached_tokens,
         "prefix_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted_tokens,
+        "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
         "wall_seconds": float(wall_seconds),
         "output_tok_s": _per_second(output_tokens, wall_seconds),
         "total_tok_s": _per_second(prompt_tokens + output_tokens, wall_seconds),

@@ -13,6 +13,10 @@ gathering keys, not the arithmetic, is what costs. On a CPU in float32 or bfloat
 hand-written kernel in pipeline/kernels reads the blocks in place instead, without any
 gathered copy. Every path keeps the softmax statistics in float32 and scales q before
 q.k (so float16 scores cannot overflow).
+
+An INT8 cache (kv_quant.py) comes with per-token scales [num_blocks, kv_heads, block_size]
+(k_scale, v_scale); the C kernel reads the int8 blocks in place, the PyTorch paths
+dequantize each block they gather. Without them (None) the cache is in the compute dtype.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import kernels
+from pipeline.kv_quant import dequantize, write_kv_int8
 
 
 @dataclass(slots=True)
@@ -124,26 +129,37 @@ def cache_rows(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int) -
     return ((block.unsqueeze(1) * num_kv_heads + heads) * block_size + offset.unsqueeze(1)).reshape(-1)
 
 
-def write_kv(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
-    """Store x [tokens, kv_heads, head_dim] in cache [blocks, kv_heads, block_size, head_dim]."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, rows, x.reshape(-1, cache.shape[-1]))
+def write_kv(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor,
+             scales: torch.Tensor | None = None) -> None:
+    """Store x [tokens, kv_heads, head_dim] in cache [blocks, kv_heads, block_size, head_dim]
+    (quantized, with its scales, when the cache is int8)."""
+    if scales is not None:
+        write_kv_int8(cache, scales, rows, x)
+    else:
+        cache.view(-1, cache.shape[-1]).index_copy_(0, rows, x.reshape(-1, cache.shape[-1]))
 
 
-def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` keys (or values): [kv_heads, length, head_dim]."""
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int,
+                   scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's first `length` keys (or values): [kv_heads, length, head_dim]; from an
+    int8 cache dequantized (block by block, with its scales) into dtype."""
     blocks = cache.index_select(0, block_ids)                       # [n, kv_heads, bs, head_dim]
+    if scales is not None:
+        blocks = dequantize(blocks, scales.index_select(0, block_ids), dtype or torch.float32)
     return blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :length]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], already written to
     the caches (write_kv). Returns [tokens, heads, head_dim]."""
     out = q.new_empty(q.shape)
     if meta.decode is not None:
         b = meta.decode.num_seqs
-        decode_attention(q[:b], k_cache, v_cache, meta.decode, scale, out=out[:b])
+        decode_attention(q[:b], k_cache, v_cache, meta.decode, scale, out=out[:b],
+                         k_scale=k_scale, v_scale=v_scale)
     for chunk in meta.prefills:
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)       # [1, heads, n, head_dim]
         if chunk.block_ids is None:
@@ -151,8 +167,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             vc = v[chunk.start:chunk.end].transpose(0, 1)
         else:
             length = chunk.mask.shape[1]
-            kc = gather_context(k_cache, chunk.block_ids, length)
-            vc = gather_context(v_cache, chunk.block_ids, length)
+            kc = gather_context(k_cache, chunk.block_ids, length, k_scale, q.dtype)
+            vc = gather_context(v_cache, chunk.block_ids, length, v_scale, q.dtype)
         o = F.scaled_dot_product_attention(
             qc, kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=chunk.mask,
             is_causal=chunk.block_ids is None, scale=scale, enable_gqa=True)
@@ -161,17 +177,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     layout: DecodeLayout, scale: float, out: torch.Tensor) -> None:
+                     layout: DecodeLayout, scale: float, out: torch.Tensor,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """One query token per sequence against its own blocks, into out. q, out: [seqs, heads, head_dim]."""
     if kernels.can_run_paged_decode_attention(q, k_cache):
         kernels.paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
-                                       scale, out=out)
+                                       scale, out=out, k_scales=k_scale, v_scales=v_scale)
     else:
-        out.copy_(decode_attention_torch(q, k_cache, v_cache, layout, scale))
+        out.copy_(decode_attention_torch(q, k_cache, v_cache, layout, scale, k_scale, v_scale))
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           decode_layout: DecodeLayout, scale: float) -> torch.Tensor:
+                           decode_layout: DecodeLayout, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # Scores, softmax and the weighted sum in float32 whatever the cache dtype: bf16 scores
     # lose ~3 digits before the exponential, fp16 ones overflow. q is scaled before q.k.
     layout = decode_layout.flat(torch.float32)
@@ -180,6 +198,9 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     keys = k_cache.index_select(0, layout.block_ids).float()           # [n, kv_heads, bs, head_dim]
     values = v_cache.index_select(0, layout.block_ids).float()
+    if k_scale is not None:   # int8 cache: dequantize the gathered blocks
+        keys.mul_(k_scale.index_select(0, layout.block_ids).unsqueeze(-1))
+        values.mul_(v_scale.index_select(0, layout.block_ids).unsqueeze(-1))
     # Grouped-query attention without repeating K/V: queries as [.., kv_heads, group, head_dim].
     q_blocks = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim).index_select(0, layout.owner)
     scores = torch.matmul(q_blocks, keys.transpose(-1, -2))             # [n, kv_heads, group, bs]

@@ -37,6 +37,7 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     warm = requests[0]
     list(engine.generate([Request("warm-up", prompt=warm.prompt, params=SamplingParams(max_tokens=2, temperature=0))]))
     engine.reset_prefix_cache()   # the timed run starts cold, as a new job's first shard does
+    engine.block_manager.reset_peak()
     start = time.perf_counter()
     outputs = list(engine.generate(requests))
     seconds = time.perf_counter() - start
@@ -46,9 +47,15 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     prompt_tokens = sum(o.prompt_tokens for o in outputs)
     output_tokens = sum(o.output_tokens for o in outputs)
     cached_tokens = sum(o.cached_tokens for o in outputs)
+    draft_tokens = sum(o.draft_tokens for o in outputs)
+    accepted_tokens = sum(o.accepted_tokens for o in outputs)
     return {"engine": "pipeline", "requests": len(outputs), "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "seconds": round(seconds, 3),
             "output_tok_s": round(output_tokens / seconds, 2),
             "total_tok_s": round((output_tokens + prompt_tokens) / seconds, 2),
             "cached_tokens": cached_tokens,
-            "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0}
+            "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
+            "kv_blocks": engine.block_manager.num_blocks,
+            "kv_peak_utilization": round(engine.block_manager.peak_utilization, 4),
+            "draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens,
+            "acceptance_rate": round(accepted_tokens / draft_tokens, 4) if draft_tokens else 0.0}

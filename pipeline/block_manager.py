@@ -50,6 +50,7 @@ class BlockManager:
         # Unused but still holding cached content, least recently used first.
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.cached_block_ids: dict[bytes, int] = {}                  # hash -> block id
+        self.peak_used_blocks = 0   # most blocks held by sequences at once (reset_peak())
 
     # ---- state ------------------------------------------------------------------------
 
@@ -67,6 +68,14 @@ class BlockManager:
     def utilization(self) -> float:
         """Fraction of the pool held by sequences (cached but unused blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def peak_utilization(self) -> float:
+        """The highest `utilization` since the pool was made or reset_peak() was called."""
+        return self.peak_used_blocks / self.num_blocks
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -134,7 +143,10 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, num_tokens // self.block_size)
+            # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet
+            # the sequence's: a block is findable only once it is full of real tokens.
+            self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -151,6 +163,20 @@ class BlockManager:
                     self.free_block_ids.append(block_id)
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Let go of seq's blocks past the first `num_tokens` tokens (the slots of rejected
+        draft tokens). Such tail blocks were never full of real tokens, so never findable."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.cached_free_block_ids[block.block_id] = None
+                else:
+                    self.free_block_ids.appendleft(block.block_id)   # most likely taken again next step
+        seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
 
     def _take_free_block(self) -> int:
         if self.free_block_ids:

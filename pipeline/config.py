@@ -6,6 +6,8 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "nf4")
+KV_CACHE_DTYPES = ("auto", "int8")
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 @dataclass(slots=True)
@@ -23,6 +25,10 @@ class EngineConfig:
     # the device leaves once the model is loaded (see memory_budget.py).
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9
+    # auto: the compute dtype. int8: keys and values quantized when written, with a float32
+    # scale per token and head (kv_quant.py): the same budget holds ~2x the blocks of bf16,
+    # ~3.8x of float32.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int | None = None     # None: 64 on a CPU, 256 on CUDA
     max_num_batched_tokens: int = 1024
@@ -36,6 +42,12 @@ class EngineConfig:
     # shared by many requests (a system prompt, few-shot examples) is computed once per
     # engine. See block_manager.py.
     enable_prefix_caching: bool = True
+    # Speculative decoding (speculative.py): "ngram" drafts up to num_speculative_tokens
+    # tokens per step from the sequence's own prompt and output, verified in one pass.
+    # Greedy output is identical to "none"; sampled output has the same distribution.
+    # 8: on a CPU, a step of 2-5 rows costs nearly what 9 do (README, Speed).
+    speculative: str = "none"
+    num_speculative_tokens: int = 8
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -44,7 +56,13 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:

@@ -10,6 +10,8 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
+
 from pipeline import memory_budget
 from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
@@ -24,6 +26,7 @@ from pipeline.request import FinishReason, Request, RequestOutput
 from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
 from pipeline.sequence import Sequence
+from pipeline.speculative import Speculator
 
 
 class Engine:
@@ -40,11 +43,12 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids()
 
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
             memory_budget.kv_cache_bytes(config, self.device, args, dtype, self.max_num_seqs),
-            args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, dtype)
+            args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size,
-                           num_blocks, dtype, self.device)
+                           num_blocks, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,
@@ -54,6 +58,7 @@ class Engine:
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.model, kv_cache, self.device)
         self.sampler = Sampler(self.device)
+        self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
         self.num_steps = 0
 
     @property
@@ -157,6 +162,7 @@ class Engine:
         timed_out = self._retire_timed_out()
         if not self.scheduler.num_unfinished:
             return timed_out
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with work pending")
@@ -177,16 +183,18 @@ class Engine:
         self.num_steps += 1
         if not sampling:
             return timed_out
-        tokens = self.sampler(logits, sampling)
+        new_tokens = self.speculator.sample(logits, sampling)   # one each; up to 1 + K with drafts
         now = time.perf_counter()
         finished = timed_out
-        for seq, token in zip(sampling, tokens):
+        for seq, tokens in zip(sampling, new_tokens):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if self._append_token(seq, token):
+            if any(self._append_token(seq, token) for token in tokens):   # stops at the first that ends it
                 seq.finish_time = now
                 self.scheduler.finish(seq)
                 finished.append(_output_of(seq))
+            elif seq.draft_token_ids:
+                self.scheduler.discard_rejected(seq)
         return finished
 
     def _retire_timed_out(self) -> list[RequestOutput]:
@@ -223,7 +231,8 @@ def _output_of(seq: Sequence, error: str | None = None) -> RequestOutput:
         finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,
         output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
         ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-        latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0)
+        latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
+        draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens)
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:

@@ -16,20 +16,35 @@ class KVCache:
 
     A token's slot is block_id * block_size + offset; the block manager decides which
     block ids a sequence owns. Sized once from the memory budget and never reallocated.
+    dtype is the compute dtype, or torch.int8 for an INT8 cache: then k_scale and v_scale
+    [layers, num_blocks, kv_heads, block_size] float32 hold each token's and head's scale
+    (kv_quant.py); otherwise they are None.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.dtype = dtype
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k = _zeros_on_huge_pages(shape, dtype, device)
         self.v = _zeros_on_huge_pages(shape, dtype, device)
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            self.k_scale = _zeros_on_huge_pages(shape[:-1], torch.float32, device)
+            self.v_scale = _zeros_on_huge_pages(shape[:-1], torch.float32, device)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        per_token_head = head_dim * dtype.itemsize
+        if dtype == torch.int8:
+            per_token_head += torch.float32.itemsize   # its scale
+        return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
     @classmethod
     def blocks_for_budget(cls, budget_bytes: float, num_layers: int, num_kv_heads: int,

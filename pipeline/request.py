@@ -56,6 +56,8 @@ class RequestOutput:
     so), or error (then `error` says why).
 
     cached_tokens: prompt tokens whose KV came from the prefix cache instead of being computed.
+    draft_tokens, accepted_tokens: speculative decoding's proposed draft tokens and those
+    verification accepted (0 without speculation); each step also adds one verified token.
     Times are seconds: queue_s from submission to first scheduled, ttft_s from submission to
     the first output token, latency_s from submission to finish.
     """
@@ -70,3 +72,5 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float
     cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0

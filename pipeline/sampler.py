@@ -61,6 +61,10 @@ class Sampler:
             noise[i].exponential_(generator=self._generator_of(seqs[i]))
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)   # p / 0 would win with p = 0
 
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """The generator seq's random numbers come from: its own when seeded, else the shared one."""
+        return self.generator if seq.params.seed is None else self._generator_of(seq)
+
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:
             seq.generator = torch.Generator(device=self.device)

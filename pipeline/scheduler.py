@@ -9,6 +9,11 @@ sequence is preempted: its blocks are freed and it is recomputed later from its 
 With prefix caching, a sequence being admitted first takes the cached blocks that hold
 the longest prefix of its tokens and computes only the rest: the step's token budget
 counts only uncached tokens (a preempted sequence may hit its own blocks again).
+
+Speculative decoding: a decoding sequence with draft tokens (speculative.py) is given its
+last token plus as many drafts as the budget and the model length allow; when the pool is
+short its drafts are dropped before anyone is preempted. After verification,
+`discard_rejected` rolls its length and blocks back to the tokens it kept.
 """
 from __future__ import annotations
 
@@ -68,7 +73,14 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft_token_ids:
+                del seq.draft_token_ids[max(0, min(budget - 1, self.max_model_len - seq.num_tokens)):]
+                n += len(seq.draft_token_ids)
             while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
+                if seq.draft_token_ids:   # drafts are optional: drop them before preempting
+                    n -= len(seq.draft_token_ids)
+                    seq.draft_token_ids = []
+                    continue
                 preempted = True
                 victim = queue.pop() if queue else seq  # the newest not yet scheduled
                 self._preempt(victim)
@@ -100,7 +112,15 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, num_new_tokens)
 
+    def discard_rejected(self, seq: Sequence) -> None:
+        """After a verified step: the cache holds seq's tokens up to its last new one (not
+        yet computed), the rejected drafts' slots are dropped, blocks and all."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        seq.draft_token_ids = []
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_token_ids = []
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

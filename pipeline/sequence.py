@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from enum import Enum, auto
 
+import numpy as np
+
 from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.request import FinishReason
 from pipeline.sampling_params import SamplingParams
@@ -41,6 +43,11 @@ class Sequence:
         self.num_registered_blocks = 0
         self.num_cached_tokens: int | None = None   # prompt tokens found cached at first admission
         self.num_preemptions = 0
+        # Speculative decoding (speculative.py): tokens proposed to verify this step (not
+        # part of the sequence until accepted), and totals over the request's life.
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_scheduled_time: float | None = None
@@ -77,6 +84,11 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt + output as an int64 array (for the n-gram search)."""
+        return np.fromiter((*self.prompt_token_ids, *self.output_token_ids), dtype=np.int64,
+                           count=self.num_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -375,3 +375,49 @@ def test_request_timeouts_end_long_requests_as_failed_rows_keeping_their_text(ru
     bad = write_jsonl(tmp_path / "bad.jsonl", [rows[2], {**rows[2], "id": "x", "timeout_s": -1}])
     refused = runner.invoke(main, ["run", str(bad), "--model", str(tiny_model_dir), *FAST])
     assert refused.exit_code == 2 and "line 2: timeout_s must be a number > 0" in refused.stderr, refused.output
+
+
+def test_bench_with_an_int8_kv_cache_reports_blocks_and_peak_use(runner, data_root, tiny_model_dir, tmp_path):
+    """--kv-cache-dtype is an engine option of every command; bench's JSON line keeps its
+    keys and adds the pool's size and its peak use."""
+    src = write_jsonl(tmp_path / "w.jsonl", [{"id": str(i), "prompt": f"Count to {i}:", "max_tokens": 4,
+                                              "temperature": 0, "ignore_eos": True} for i in range(3)])
+    for command in ("run", "submit", "bench"):
+        assert "--kv-cache-dtype [auto|int8]" in runner.invoke(main, [command, "--help"]).output, command
+    lines = {}
+    for kv in ("auto", "int8"):
+        result = runner.invoke(main, ["bench", str(src), "--model", str(tiny_model_dir), "--kv-cache-dtype", kv, *FAST])
+        assert result.exit_code == 0, result.output
+        lines[kv] = json.loads(result.output.strip().splitlines()[-1])
+    auto, int8 = lines["auto"], lines["int8"]
+    assert {"engine", "requests", "output_tokens", "output_tok_s", "total_tok_s", "prefix_hit_rate"} <= set(int8)
+    assert int8["output_tokens"] == auto["output_tokens"] == 12
+    assert int8["kv_blocks"] >= 3 * auto["kv_blocks"] > 0      # float32 here: 4 bytes -> 1 + a scale
+    assert 0 < int8["kv_peak_utilization"] < auto["kv_peak_utilization"] <= 1
+
+
+def test_speculative_run_records_drafts_in_results_and_stats(runner, data_root, tmp_path, Session):
+    """--speculative ngram through a whole job: the same outputs as without, and the
+    drafted/accepted counts in the results Parquet and the job's stats file."""
+    import pyarrow.parquet as pq
+    text = "Record {}: Alice Moreau, Lyon, 63 units of rubber seals, status partial."
+    src = write_jsonl(tmp_path / "copy.jsonl", [  # the bundled model copies; the tiny random one would not
+        {"id": f"c{i}", "prompt": f"Text:\n{text.format(i)}\n\nThe same text, copied exactly:\nRecord",
+         "max_tokens": 12, "temperature": 0} for i in range(3)])
+    outputs = {}
+    for flags in ([], ["--speculative", "ngram", "--num-speculative-tokens", "3"]):
+        result = runner.invoke(main, ["run", str(src), "--dtype", "float32", *flags, *FAST])
+        assert result.exit_code == 0, result.output
+        with Session() as s:
+            job = list_jobs(s)[0]
+        jp = JobPaths(data_root, job.id)
+        outputs[bool(flags)] = {r["id"]: r for r in read_results(jp.results_dir).to_pylist()}
+        stats = pq.read_table(jp.stats_file).to_pylist()[0]
+    plain, spec = outputs[False], outputs[True]
+    assert {k: r["output"] for k, r in spec.items()} == {k: r["output"] for k, r in plain.items()}
+    assert all(r["draft_tokens"] == r["accepted_tokens"] == 0 for r in plain.values())
+    drafted = sum(r["draft_tokens"] for r in spec.values())
+    assert drafted > 0 and all(0 <= r["accepted_tokens"] <= r["draft_tokens"] for r in spec.values())
+    assert stats["draft_tokens"] == drafted
+    assert stats["acceptance_rate"] == pytest.approx(sum(r["accepted_tokens"] for r in spec.values()) / drafted)
+    assert (job.draft_tokens, job.acceptance_rate) == (drafted, pytest.approx(stats["acceptance_rate"]))

@@ -184,3 +184,77 @@ def test_without_a_compiler_the_pytorch_path_is_used(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
     assert "PyTorch path" in result.stderr
+
+
+# ---- INT8 KV cache (pipeline/kv_quant.py) --------------------------------------------------
+
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    from pipeline.kv_quant import dequantize, quantize
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50).view(50, 1, 1)
+    x[0, 0] = 0.0                                  # an all-zero head stays exactly zero
+    x8, scales = quantize(x)
+    assert x8.dtype == torch.int8 and scales.shape == (50, 3)
+    assert x8.abs().max() == 127
+    back = dequantize(x8, scales)
+    assert torch.all(back[0, 0] == 0)
+    bound = scales.unsqueeze(-1) / 2 * (1 + 1e-5)
+    assert torch.all((back - x).abs() <= bound)
+    # relative to each head's largest value: at most 1/254
+    assert ((back - x).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-30)).max() <= 1 / 254 + 1e-6
+
+
+def int8_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens):
+    from pipeline.kv_quant import quantize
+    q, k_cache, v_cache, tables = random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens)
+    (k8, ks), (v8, vs) = quantize(k_cache * 3), quantize(v_cache)
+    return q, k8, ks, v8, vs, tables
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_decode_attention_matches_the_dequantized_reference(num_heads, num_kv_heads, head_dim, dtype):
+    """The kernel reads int8 blocks and their scales in place; the PyTorch path dequantizes
+    the blocks it gathers; both equal dense attention over the dequantized cache."""
+    from pipeline.kv_quant import dequantize
+    q, k8, ks, v8, vs, tables = int8_paged_batch(num_heads, num_kv_heads, head_dim, 16, LENS)
+    q = q.to(dtype)
+    scale = head_dim ** -0.5
+    expected = dense_reference(q.float(), dequantize(k8, ks), dequantize(v8, vs), tables, LENS, scale)
+    layout = DecodeLayout.build(tables, LENS, 16, torch.device("cpu"))
+    assert kernels.can_run_paged_decode_attention(q, k8)
+    got = kernels.paged_decode_attention(q, k8, v8, layout.block_tables, layout.context_lens, scale,
+                                         k_scales=ks, v_scales=vs)
+    torch_path = decode_attention_torch(q, k8, v8, layout, scale, ks, vs)
+    tol = dict(rtol=8e-3, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), expected, **tol)
+    torch.testing.assert_close(torch_path.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rotary_write_kv_quantizes_like_pytorch(dtype):
+    """Same formula on both paths; the rotated keys themselves may differ in the last bit
+    (FMA), so a key may round to the neighbouring int8 and its scale differ by an ulp."""
+    from pipeline.attention import cache_rows, write_kv
+    from pipeline.models.llama import Rotation, apply_rotary
+    heads, kv_heads, head_dim, block_size, tokens = 6, 2, 16, 4, 9
+    torch.manual_seed(0)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 5).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2) * 6
+    rotation = Rotation(angles.cos(), angles.sin())
+    rows = cache_rows(torch.tensor([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size)
+    caches = [torch.zeros(4, kv_heads, block_size, head_dim, dtype=torch.int8) for _ in range(4)]
+    scales = [torch.zeros(4, kv_heads, block_size) for _ in range(4)]
+
+    view = qkv.clone().view(tokens, -1, head_dim)
+    qk = apply_rotary(view[:, :heads + kv_heads], rotation.complex)
+    write_kv(caches[0], rows, qk[:, heads:], scales[0])
+    write_kv(caches[1], rows, view[:, heads + kv_heads:], scales[1])
+    got = qkv.clone()
+    kernels.rotary_write_kv(got, rotation.cos, rotation.sin, rows, caches[2], caches[3], heads, kv_heads,
+                            scales[2], scales[3])
+    torch.testing.assert_close(got.view(tokens, -1, head_dim)[:, :heads + kv_heads], qk)
+    assert torch.equal(caches[3], caches[1]) and torch.equal(scales[3], scales[1])   # v is not rotated
+    assert (caches[2].int() - caches[0].int()).abs().max() <= 1
+    torch.testing.assert_close(scales[2], scales[0])
+    assert scales[0].count_nonzero() == tokens * kv_heads

@@ -26,7 +26,7 @@ def publish(jp, shard, rows):
 def ok_row(i):
     # Latencies 1..100 s and ttft 0.01..1.00 s, split over two shards below.
     return {"id": f"r{i}", "output": "x", "prompt_tokens": 10, "output_tokens": 20, "cached_tokens": 4,
-            "finish_reason": "length" if i % 10 == 0 else "stop", "latency_s": float(i),
+            "draft_tokens": 8, "accepted_tokens": 6, "finish_reason": "length" if i % 10 == 0 else "stop", "latency_s": float(i),
             "ttft_s": i / 100, "shard": i % 2, "attempt": 1}
 
 
@@ -45,6 +45,8 @@ def test_compute_stats_on_known_numbers(jp):
         "prompt_tokens": 1020, "output_tokens": 2005, "wall_seconds": 10.0,
         # Only the 100 successful rows say they hit the prefix cache (4 tokens each).
         "cached_tokens": 400, "prefix_hit_rate": 400 / 1020,
+        # Speculative decoding: 8 drafted, 6 accepted in each successful row.
+        "draft_tokens": 800, "accepted_tokens": 600, "acceptance_rate": 0.75,
         "output_tok_s": 200.5, "total_tok_s": 302.5,
         # numpy's linear interpolation over 1..100: error and cancelled rows are excluded.
         "latency_p50": 50.5, "latency_p95": 95.05, "latency_p99": 99.01,
@@ -57,6 +59,7 @@ def test_compute_stats_without_results(jp):
     assert stats["total_requests"] == stats["completed_requests"] == stats["output_tokens"] == 0
     assert stats["output_tok_s"] is None and stats["total_tok_s"] is None
     assert stats["cached_tokens"] == 0 and stats["prefix_hit_rate"] is None
+    assert stats["draft_tokens"] == 0 and stats["acceptance_rate"] is None
     assert stats["latency_p50"] is None and stats["ttft_p95"] is None
 
 
@@ -87,4 +90,5 @@ def test_results_written_before_cached_tokens_existed_count_as_uncached(jp):
     publish(jp, 1, [ok_row(1)])
     stats = compute_stats(jp.results_dir, wall_seconds=1.0)
     assert (stats["prompt_tokens"], stats["cached_tokens"]) == (17, 4)
+    assert (stats["draft_tokens"], stats["accepted_tokens"]) == (8, 6)   # null in the old file
     assert stats["prefix_hit_rate"] == pytest.approx(4 / 17)

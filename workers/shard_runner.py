@@ -201,7 +201,9 @@ def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=
 
 def _row(out: RequestOutput, index: int, attempt: int) -> dict:
     return {"id": out.id, "output": out.text, "prompt_tokens": out.prompt_tokens,
-            "output_tokens": out.output_tokens, "cached_tokens": out.cached_tokens, "finish_reason": out.finish_reason, "error": out.error,
+            "output_tokens": out.output_tokens, "cached_tokens": out.cached_tokens,
+            "draft_tokens": out.draft_tokens, "accepted_tokens": out.accepted_tokens,
+            "finish_reason": out.finish_reason, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": index, "attempt": attempt}
 
@@ -209,7 +211,7 @@ def _row(out: RequestOutput, index: int, attempt: int) -> dict:
 def _cancelled_row(request_id: str, waited: float, index: int, attempt: int) -> dict:
     # It waited from the shard's start until the cancel, and got nothing.
     return {"id": request_id, "output": "", "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
-            "finish_reason": FinishReason.CANCELLED, "error": None, "queue_s": waited, "ttft_s": None,
+            "draft_tokens": 0, "accepted_tokens": 0, "finish_reason": FinishReason.CANCELLED, "error": None, "queue_s": waited, "ttft_s": None,
             "latency_s": waited, "shard": index, "attempt": attempt}
 
 

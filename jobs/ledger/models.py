@@ -15,7 +15,8 @@ INPUT_FORMATS = ("pipeline", "openai")
 # left out on purpose: it stays the number of input requests.
 STATS_COLUMNS = (
     "completed_requests", "failed_requests", "prompt_tokens", "output_tokens", "cached_tokens",
-    "prefix_hit_rate", "wall_seconds", "output_tok_s", "total_tok_s",
+    "prefix_hit_rate", "draft_tokens", "accepted_tokens", "acceptance_rate",
+    "wall_seconds", "output_tok_s", "total_tok_s",
     "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
 )
 
@@ -89,6 +90,9 @@ class Job(Base):
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)        # prompt tokens served from the prefix cache
     prefix_hit_rate: Mapped[float | None] = mapped_column(Float)         # cached_tokens / prompt_tokens
+    draft_tokens: Mapped[int] = mapped_column(Integer, default=0)         # speculative decoding's drafts
+    accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)      # ... accepted by verification
+    acceptance_rate: Mapped[float | None] = mapped_column(Float)         # accepted / drafted
     wall_seconds: Mapped[float | None] = mapped_column(Float)
     output_tok_s: Mapped[float | None] = mapped_column(Float)
     total_tok_s: Mapped[float | None] = mapped_column(Float)

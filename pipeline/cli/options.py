@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from jobs.settings import LOG_FORMATS, Settings, default, env_var
-from pipeline.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
+from pipeline.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 
 _SETTING_OPTIONS = {
     "data_dir": dict(decls=("--data-dir",), type=click.Path(file_okay=False), show_default=True,
@@ -79,6 +79,10 @@ _ENGINE_OPTIONS = {
     "gpu_memory_utilization": dict(type=click.FloatRange(0, 1, min_open=True),
                                    help="CUDA: the share of the GPU's memory the engine may fill (model, "
                                         "activations, KV cache)  [default: 0.9]"),
+    "kv_cache_dtype": dict(type=click.Choice(KV_CACHE_DTYPES),
+                           help="auto: keys and values in the compute dtype. int8: quantized when "
+                                "written (a scale per token and head), so the same --kv-cache-gib "
+                                "holds about 2x the blocks of bf16, 3.8x of float32  [default: auto]"),
     "block_size": dict(help="Tokens in one KV-cache block."),
     "max_num_seqs": dict(help="Most sequences in one batch  [default: 64 on a CPU, 256 on CUDA]"),
     "max_num_batched_tokens": dict(help="Most tokens in one engine step."),
@@ -90,6 +94,12 @@ _ENGINE_OPTIONS = {
     "pack_weights": dict(help="CPU: keep weights packed once at load, float32 in MKL's layout (about 3x "
                               "the float32 weight memory), bfloat16 in oneDNN's (no extra memory): faster "
                               "decode steps  [default: on]"),
+    "speculative": dict(type=click.Choice(SPECULATIVE_METHODS),
+                        help="ngram: speculative decoding by prompt lookup: draft the tokens that "
+                             "followed the last earlier occurrence of a sequence's latest tokens in its "
+                             "own prompt and output, verify them in one pass. Same greedy output, same "
+                             "sampling distribution; faster where outputs copy their input  [default: none]"),
+    "num_speculative_tokens": dict(help="Most draft tokens per sequence and step (with --speculative)."),
 }
 _SCALARS = {"str": str, "int": int, "float": float}
 

@@ -127,7 +127,9 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
                          f"{job.total_requests} total"),
             ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
             ("tokens", f"{job.prompt_tokens} prompt ({job.cached_tokens or 0} from the prefix cache), "
-                       f"{job.output_tokens} output"),
+                       f"{job.output_tokens} output"
+                       + (f" ({job.accepted_tokens} of {job.draft_tokens} speculative drafts accepted)"
+                          if job.draft_tokens else "")),
             ("priority", job.priority),
             ("deadline", deadline(job, with_window=True)),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),

@@ -98,9 +98,15 @@ def _load():
         attention.restype = ctypes.c_int
         attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
                               + [ctypes.c_int] * 6 + [ctypes.c_float])
+        attention8 = getattr(lib, "paged_decode_attention_kv8" + suffix)
+        attention8.restype = ctypes.c_int
+        attention8.argtypes = attention.argtypes + [ctypes.c_void_p] * 2
         rotary = getattr(lib, "rotary_write_kv" + suffix)
         rotary.restype = None
         rotary.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 3
+        rotary8 = getattr(lib, "rotary_write_kv_int8" + suffix)
+        rotary8.restype = None
+        rotary8.argtypes = rotary.argtypes + [ctypes.c_void_p] * 2
         silu = getattr(lib, "silu_and_mul" + suffix)
         silu.restype = None
         silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -150,34 +156,51 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def can_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """rotary_write_kv serves qkv: a float32 or bfloat16 CPU tensor, and a cache of its dtype or int8."""
+    return (serves(qkv) and k_cache.is_cpu and k_cache.is_contiguous()
+            and k_cache.dtype in (qkv.dtype, torch.int8))
+
+
 def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_rows: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
     """Rotate q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by cos/sin
     [tokens, head_dim/2] (float32) and store k and v at cache_rows [tokens * kv_heads] (int64)
-    of the layer caches [blocks, kv_heads, block_size, head_dim] (qkv's dtype)."""
+    of the layer caches [blocks, kv_heads, block_size, head_dim] (qkv's dtype; or int8, then
+    quantized with their scales [blocks, kv_heads, block_size] float32, see kv_quant.py)."""
     head_dim = k_cache.shape[-1]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and cos.shape == sin.shape
     assert cache_rows.dtype == torch.int64 and cache_rows.numel() == qkv.shape[0] * num_kv_heads
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-    assert cos.dtype == sin.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == qkv.dtype
-    _kernel("rotary_write_kv", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(),
-                            k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
-                            head_dim)
+    assert cos.dtype == sin.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+    args = (qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim)
+    if k_cache.dtype == torch.int8:
+        assert k_scales is not None and v_scales is not None
+        assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.is_contiguous() and v_scales.is_contiguous()
+        _kernel("rotary_write_kv_int8", qkv.dtype)(*args, k_scales.data_ptr(), v_scales.data_ptr())
+    else:
+        assert k_cache.dtype == qkv.dtype
+        _kernel("rotary_write_kv", qkv.dtype)(*args)
 
 
 def can_run_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """float32 or bfloat16 on the CPU, head_dim a multiple of 8, and the kernel built."""
-    return (q.is_cpu and q.dtype == k_cache.dtype and q.dtype in KERNEL_DTYPES
+    """float32 or bfloat16 on the CPU, a cache of q's dtype or int8, head_dim a multiple of 8,
+    and the kernel built."""
+    return (q.is_cpu and q.dtype in KERNEL_DTYPES and k_cache.dtype in (q.dtype, torch.int8)
             and q.shape[-1] % 8 == 0 and available())
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [seqs, heads, head_dim], each sequence's heads contiguous (a row slice of the fused
     q/k projection is fine); caches [blocks, kv_heads, block_size, head_dim] (see
-    can_run_paged_decode_attention); block_tables [seqs, max_blocks] and context_lens
-    [seqs] int32. Writes and returns out, contiguous [seqs, heads, head_dim]."""
+    can_run_paged_decode_attention; int8 ones with their scales [blocks, kv_heads,
+    block_size]); block_tables [seqs, max_blocks] and context_lens [seqs] int32. Writes and
+    returns out, contiguous [seqs, heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
@@ -187,11 +210,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.is_contiguous() and out.shape == q.shape
-    assert v_cache.dtype == k_cache.dtype == q.dtype == out.dtype
-    status = _kernel("paged_decode_attention", q.dtype)(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-        block_size, block_tables.shape[1], scale)
+    assert v_cache.dtype == k_cache.dtype and q.dtype == out.dtype
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+            block_size, block_tables.shape[1], scale)
+    if k_cache.dtype == torch.int8:
+        assert k_scales is not None and v_scales is not None
+        assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.is_contiguous() and v_scales.is_contiguous()
+        status = _kernel("paged_decode_attention_kv8", q.dtype)(*args, k_scales.data_ptr(), v_scales.data_ptr())
+    else:
+        assert k_cache.dtype == q.dtype
+        status = _kernel("paged_decode_attention", q.dtype)(*args)
     if status == -1:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory")
     if status != 0:

@@ -11,12 +11,18 @@
  * (scores, softmax and the weighted sum; the queries are scaled before q.k), writing a
  * bf16 output: bf16 halves the bytes read, which is what decode attention costs.
  *
+ * The int8 variants (`_kv8`) read an INT8 KV cache (pipeline/kv_quant.py): int8 keys and
+ * values with one float32 scale per token and kv head, widened in registers. The scales
+ * are applied outside the dot products: score = scale_k[t] * (q . k8[t]), and each value
+ * row's weight is p[t] * scale_v[t]; a quarter of float32's bytes per key and value.
+ *
  * Layouts (all contiguous):
  *   q              [num_seqs, num_heads, head_dim], sequences q_seq_stride elements apart
  *   out            [num_seqs, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, num_kv_heads, block_size, head_dim]  (one layer)
  *   block_tables   [num_seqs, max_blocks]   int32, the blocks of each sequence in order
  *   context_lens   [num_seqs]               int32, tokens each sequence attends to
+ *   k_scales, v_scales [num_blocks, num_kv_heads, block_size]  float32 (int8 caches only)
  *
  * Built by pipeline/kernels/__init__.py with the system C compiler and OpenMP; it
  * shares PyTorch's OpenMP runtime, so it uses the same threads.
@@ -34,10 +40,20 @@ static inline void prefetch(const void *p, size_t bytes) {
 
 #define LANES 8
 
-/* Vector j of row t of a block slab, widened to float32 when the cache is bf16. */
+/* Cache element types. */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_INT8 2
+
+typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
+
+/* Vector j of row t of a block slab, widened to float32 when the cache is bf16 or int8
+ * (int8: still to be multiplied by the row's scale). */
 static inline __attribute__((always_inline)) vec8 load_row(const void *slab, size_t t, int j,
-                                                            int head_dim, const int is_bf16) {
-    if (is_bf16) return load_bf16x8((const bf16 *)slab + t * head_dim + (size_t)j * LANES);
+                                                            int head_dim, const int kind) {
+    if (kind == KV_INT8)
+        return __builtin_convertvector(*(const i8x8 *)((const int8_t *)slab + t * head_dim + (size_t)j * LANES), vec8);
+    if (kind == KV_BF16) return load_bf16x8((const bf16 *)slab + t * head_dim + (size_t)j * LANES);
     return ((const vec8 *)((const float *)slab + t * head_dim))[j];
 }
 
@@ -57,9 +73,13 @@ static inline __attribute__((always_inline)) void attend_one(
         const int32_t *restrict blocks, int len, void *restrict out_v, int group, int num_kv_heads,
         int kv_head, const int head_dim, int block_size, float scale,
         float *restrict scores /* [group, len] */, float *restrict qf /* [group, head_dim] */,
-        const int is_bf16) {
+        const float *restrict k_scales, const float *restrict v_scales, const int is_bf16, const int kv8) {
     const int nvec = head_dim / LANES;
-    const size_t elem = is_bf16 ? sizeof(bf16) : sizeof(float);
+    const int kind = kv8 ? KV_INT8 : is_bf16 ? KV_BF16 : KV_F32;
+    const size_t elem = kv8 ? 1 : is_bf16 ? sizeof(bf16) : sizeof(float);
+    /* int8: one scale per token of a block slab; block b, head h starts at (b * kvh + h) * bs */
+    const size_t scale_block_stride = (size_t)num_kv_heads * block_size;
+    const size_t scale_head_offset = (size_t)kv_head * block_size;
     const size_t block_stride = (size_t)num_kv_heads * block_size * head_dim;
     const size_t head_offset = (size_t)kv_head * block_size * head_dim;
     const size_t slab = (size_t)block_size * head_dim;   /* elements of one head in a block */
@@ -81,6 +101,7 @@ static inline __attribute__((always_inline)) void attend_one(
             ? kc + ((size_t)blocks[pos / block_size + 1] * block_stride + head_offset) * elem : NULL;
         const char *v_here = vc + ((size_t)blocks[pos / block_size] * block_stride + head_offset) * elem;
         const int n = len - pos < block_size ? len - pos : block_size;
+        const float *ks = kv8 ? k_scales + blocks[pos / block_size] * scale_block_stride + scale_head_offset : NULL;
         if (n < 4) {
             if (k_next) prefetch(k_next, slab * elem);
             prefetch(v_here, slab * elem);
@@ -97,18 +118,23 @@ static inline __attribute__((always_inline)) void attend_one(
                 vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 for (int j = 0; j < nvec; j++) {
                     vec8 x = qv[j];
-                    a0 += x * load_row(k, t, j, head_dim, is_bf16);
-                    a1 += x * load_row(k, t + 1, j, head_dim, is_bf16);
-                    a2 += x * load_row(k, t + 2, j, head_dim, is_bf16);
-                    a3 += x * load_row(k, t + 3, j, head_dim, is_bf16);
+                    a0 += x * load_row(k, t, j, head_dim, kind);
+                    a1 += x * load_row(k, t + 1, j, head_dim, kind);
+                    a2 += x * load_row(k, t + 2, j, head_dim, kind);
+                    a3 += x * load_row(k, t + 3, j, head_dim, kind);
                 }
-                srow[t] = hsum(a0) * score_scale; srow[t + 1] = hsum(a1) * score_scale;
-                srow[t + 2] = hsum(a2) * score_scale; srow[t + 3] = hsum(a3) * score_scale;
+                if (kv8) {
+                    srow[t] = hsum(a0) * score_scale * ks[t]; srow[t + 1] = hsum(a1) * score_scale * ks[t + 1];
+                    srow[t + 2] = hsum(a2) * score_scale * ks[t + 2]; srow[t + 3] = hsum(a3) * score_scale * ks[t + 3];
+                } else {
+                    srow[t] = hsum(a0) * score_scale; srow[t + 1] = hsum(a1) * score_scale;
+                    srow[t + 2] = hsum(a2) * score_scale; srow[t + 3] = hsum(a3) * score_scale;
+                }
             }
             for (; t < n; t++) {
                 vec8 a0 = {0};
-                for (int j = 0; j < nvec; j++) a0 += qv[j] * load_row(k, t, j, head_dim, is_bf16);
-                srow[t] = hsum(a0) * score_scale;
+                for (int j = 0; j < nvec; j++) a0 += qv[j] * load_row(k, t, j, head_dim, kind);
+                srow[t] = hsum(a0) * score_scale * (kv8 ? ks[t] : 1.0f);
             }
         }
     }
@@ -134,9 +160,10 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int pos = 0; pos < len; pos += block_size) {
             const char *v = vc + ((size_t)blocks[pos / block_size] * block_stride + head_offset) * elem;
             const int n = len - pos < block_size ? len - pos : block_size;
+            const float *vs = kv8 ? v_scales + blocks[pos / block_size] * scale_block_stride + scale_head_offset : NULL;
             for (int t = 0; t < n; t++) {
-                const float w = p[pos + t];
-                for (int j = 0; j < nvec; j++) acc[j] += w * load_row(v, t, j, head_dim, is_bf16);
+                const float w = kv8 ? p[pos + t] * vs[t] : p[pos + t];
+                for (int j = 0; j < nvec; j++) acc[j] += w * load_row(v, t, j, head_dim, kind);
             }
         }
         const float inv = 1.0f / denom[g];
@@ -152,24 +179,31 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 typedef void (*attend_fn)(const void *, const void *, const void *, const int32_t *, int, void *, int,
-                          int, int, int, int, float, float *, float *);
+                          int, int, int, int, float, float *, float *, const float *, const float *);
 
-#define ATTEND_WITH(NAME, D, BF16)                                                                \
+#define ATTEND_WITH(NAME, D, BF16, KV8)                                                           \
     static void NAME(const void *q, const void *k, const void *v, const int32_t *b, int len,      \
                      void *out, int group, int kvh, int h, int hd, int bs, float scale,           \
-                     float *scores, float *qf) {                                                   \
+                     float *scores, float *qf, const float *ks, const float *vs) {                \
         (void)hd;                                                                                  \
-        attend_one(q, k, v, b, len, out, group, kvh, h, D, bs, scale, scores, qf, BF16);          \
+        attend_one(q, k, v, b, len, out, group, kvh, h, D, bs, scale, scores, qf, ks, vs, BF16, KV8); \
     }
-ATTEND_WITH(attend_f32_64, 64, 0)
-ATTEND_WITH(attend_f32_128, 128, 0)
-ATTEND_WITH(attend_f32_any, hd, 0)
-ATTEND_WITH(attend_bf16_64, 64, 1)
-ATTEND_WITH(attend_bf16_128, 128, 1)
-ATTEND_WITH(attend_bf16_any, hd, 1)
+ATTEND_WITH(attend_f32_64, 64, 0, 0)
+ATTEND_WITH(attend_f32_128, 128, 0, 0)
+ATTEND_WITH(attend_f32_any, hd, 0, 0)
+ATTEND_WITH(attend_bf16_64, 64, 1, 0)
+ATTEND_WITH(attend_bf16_128, 128, 1, 0)
+ATTEND_WITH(attend_bf16_any, hd, 1, 0)
+ATTEND_WITH(attend_f32_kv8_64, 64, 0, 1)
+ATTEND_WITH(attend_f32_kv8_128, 128, 0, 1)
+ATTEND_WITH(attend_f32_kv8_any, hd, 0, 1)
+ATTEND_WITH(attend_bf16_kv8_64, 64, 1, 1)
+ATTEND_WITH(attend_bf16_kv8_128, 128, 1, 1)
+ATTEND_WITH(attend_bf16_kv8_any, hd, 1, 1)
 
 static int run(attend_fn attend, size_t elem, const void *q, int64_t q_seq_stride, const void *k_cache,
-               const void *v_cache, const int32_t *block_tables, const int32_t *context_lens, void *out,
+               const void *v_cache, const float *k_scales, const float *v_scales,
+               const int32_t *block_tables, const int32_t *context_lens, void *out,
                int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                float scale) {
     if (head_dim % LANES != 0) return -2;
@@ -190,7 +224,8 @@ static int run(attend_fn attend, size_t elem, const void *q, int64_t q_seq_strid
         attend((const char *)q + ((size_t)s * q_seq_stride + head) * elem, k_cache, v_cache,
                block_tables + (size_t)s * max_blocks, len,
                (char *)out + ((size_t)s * num_heads * head_dim + head) * elem, group, num_kv_heads, h,
-               head_dim, block_size, scale, scores, scores + (size_t)group * (len > 0 ? len : 1));
+               head_dim, block_size, scale, scores, scores + (size_t)group * (len > 0 ? len : 1),
+               k_scales, v_scales);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -203,8 +238,8 @@ int paged_decode_attention(const float *q, int64_t q_seq_stride, const float *k_
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int max_blocks, float scale) {
     attend_fn attend = head_dim == 64 ? attend_f32_64 : head_dim == 128 ? attend_f32_128 : attend_f32_any;
-    return run(attend, sizeof(float), q, q_seq_stride, k_cache, v_cache, block_tables, context_lens, out,
-               num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+    return run(attend, sizeof(float), q, q_seq_stride, k_cache, v_cache, NULL, NULL, block_tables, context_lens,
+               out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
 }
 
 int paged_decode_attention_bf16(const bf16 *q, int64_t q_seq_stride, const bf16 *k_cache,
@@ -212,6 +247,27 @@ int paged_decode_attention_bf16(const bf16 *q, int64_t q_seq_stride, const bf16 
                                 bf16 *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, int max_blocks, float scale) {
     attend_fn attend = head_dim == 64 ? attend_bf16_64 : head_dim == 128 ? attend_bf16_128 : attend_bf16_any;
-    return run(attend, sizeof(bf16), q, q_seq_stride, k_cache, v_cache, block_tables, context_lens, out,
-               num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+    return run(attend, sizeof(bf16), q, q_seq_stride, k_cache, v_cache, NULL, NULL, block_tables, context_lens,
+               out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+}
+
+/* The same with an int8 cache and its scales; q and out float32 (`_kv8`) or bf16 (`_kv8_bf16`). */
+int paged_decode_attention_kv8(const float *q, int64_t q_seq_stride, const int8_t *k_cache,
+                               const int8_t *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                               float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                               int block_size, int max_blocks, float scale, const float *k_scales,
+                               const float *v_scales) {
+    attend_fn attend = head_dim == 64 ? attend_f32_kv8_64 : head_dim == 128 ? attend_f32_kv8_128 : attend_f32_kv8_any;
+    return run(attend, sizeof(float), q, q_seq_stride, k_cache, v_cache, k_scales, v_scales, block_tables,
+               context_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+}
+
+int paged_decode_attention_kv8_bf16(const bf16 *q, int64_t q_seq_stride, const int8_t *k_cache,
+                                    const int8_t *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                                    bf16 *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                    int block_size, int max_blocks, float scale, const float *k_scales,
+                                    const float *v_scales) {
+    attend_fn attend = head_dim == 64 ? attend_bf16_kv8_64 : head_dim == 128 ? attend_bf16_kv8_128 : attend_bf16_kv8_any;
+    return run(attend, sizeof(bf16), q, q_seq_stride, k_cache, v_cache, k_scales, v_scales, block_tables,
+               context_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
 }

@@ -176,15 +176,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = args.head_dim ** -0.5
         self.k_cache = self.v_cache = None   # bound by ModelRunner once the pool exists
+        self.k_scale = self.v_scale = None   # an int8 cache's scales (kv_quant.py), else None
 
     def forward(self, x, rotation: Rotation, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        if self.q_norm is None and kernels.serves(qkv, self.k_cache) and kernels.serves(rotation.cos):
-            # One C pass: rotate q and k in place, store k and v in the cache.
+        if self.q_norm is None and kernels.can_write_kv(qkv, self.k_cache) and kernels.serves(rotation.cos):
+            # One C pass: rotate q and k in place, store (or quantize) k and v in the cache.
             kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, self.k_cache,
-                                    self.v_cache, self.num_heads, self.num_kv_heads)
+                                    self.v_cache, self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
             q, k, v = heads[:, :q_end], heads[:, q_end:k_end], heads[:, k_end:]
         else:
             v = heads[:, k_end:]
@@ -195,9 +196,9 @@ class Attention(nn.Module):
             else:
                 q = apply_rotary(self.q_norm(heads[:, :q_end]), rotation.complex)
                 k = apply_rotary(self.k_norm(heads[:, q_end:k_end]), rotation.complex)
-            write_kv(self.k_cache, meta.cache_rows, k)
-            write_kv(self.v_cache, meta.cache_rows, v)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            write_kv(self.k_cache, meta.cache_rows, k, self.k_scale)
+            write_kv(self.v_cache, meta.cache_rows, v, self.v_scale)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.view(-1, self.q_size))
 
 
