@@ -43,17 +43,19 @@ class EngineHolder:
     parent; `preload` builds the first served engine on purpose, after the fork) and
     happens again only when a shard needs another engine: that shard waits until no
     shard uses the loaded one, and shards for the loaded engine go first meanwhile. While
-    has_work(config) says the loaded engine's queue still holds shards, the switch waits
+    has_work(key) says the loaded engine's queue still holds shards, the switch waits
     for them too, for at most switch_after_s after the loaded engine fell idle (its
     shards may not reach this process while the waiting ones fill its task slots).
     """
 
-    def __init__(self, served: list[dict] | tuple = (), has_work: Callable[[EngineConfig], bool] | None = None,
+    def __init__(self, served: list[dict] | tuple = (), has_work: Callable[[str], bool] | None = None,
                  switch_after_s: float = 10.0):
+        self._served_options = list(served)
         self._served = {engine_key(options): EngineConfig(**options) for options in served}
         self._has_work, self._switch_after_s = has_work, switch_after_s
         self._changed = threading.Condition()
         self._config: EngineConfig | None = None
+        self._key: str | None = None   # the loaded engine's key
         self._loop = None
         self._users = 0
         self._idle_since = time.monotonic()
@@ -81,7 +83,7 @@ class EngineHolder:
     def preload(self) -> None:
         """Build the first served engine now (a worker at start-up), not on its first shard."""
         if self._served:
-            with self.use(dataclasses.asdict(next(iter(self._served.values())))):
+            with self.use(self._served_options[0]):
                 pass
 
     @contextlib.contextmanager
@@ -114,7 +116,7 @@ class EngineHolder:
         if time.monotonic() - self._idle_since >= self._switch_after_s:
             return False
         try:
-            return self._has_work(self._config)
+            return self._has_work(self._key)
         except Exception:   # the broker is away: do not hold the other shards for it
             log.warning("asking whether engine %s has work queued failed", self._config, exc_info=True)
             return False
@@ -196,7 +198,7 @@ class EngineHolder:
         self._drop()
         from pipeline.engine import Engine  # torch: only once an engine is really needed
         from pipeline.engine_loop import EngineLoop
-        key = engine_key(dataclasses.asdict(config))
+        self._key = key = engine_key(dataclasses.asdict(config))
         log.info("loading engine %s (model %s)", key, config.model or "bundled")   # tests count these
         start = time.monotonic()
         self._building = True
@@ -213,7 +215,7 @@ class EngineHolder:
             return
         device = getattr(self._loop.engine, "device", None)   # what "auto" chose
         self._loop.close()
-        self._loop = self._config = None
+        self._loop = self._config = self._key = None
         gc.collect()
         if device is not None and device.type == "cuda":
             import torch

@@ -6,7 +6,6 @@ the worker's signal handlers are in workers.lifecycle; producers send this task 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -15,7 +14,6 @@ from collections.abc import Callable
 
 from jobs import ledger
 from jobs.scheduling import priority_rank
-from pipeline.engine_key import engine_key
 from workers import broker
 from workers.app import app, settings
 from workers.engine_holder import EngineHolder
@@ -24,10 +22,10 @@ from workers.shard_runner import ShardOutcome, run_shard, shutting_down
 log = logging.getLogger(__name__)
 
 
-def _has_work(config) -> bool:
+def _has_work(engine_key: str) -> bool:
     """Whether the queue of a served engine still holds shards (EngineHolder's switch rule)."""
     cfg = settings()
-    return broker.backlog(cfg, cfg.queue_for(engine_key(dataclasses.asdict(config)))) > 0
+    return broker.backlog(cfg, cfg.queue_for(engine_key)) > 0
 
 
 # The engines this worker serves (PIPELINE_WORKER_ENGINES); nothing is built at import, so

@@ -8,7 +8,7 @@ import click
 
 from pipeline.cli import render
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from jobs.states import JobStatus, ShardStatus
+from jobs.states import JobStatus
 from pipeline.cli.job_commands import check_job_id, get_job, sessions, waiting_for_worker, worker_command_for
 from pipeline.cli.options import settings_options
 
@@ -33,9 +33,7 @@ def status_command(job_id, as_json, settings):
         click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
     elif job_id:
         job, now = jobs[0], ledger.utcnow()
-        held = any(sh.status == ShardStatus.RUNNING and sh.lease_expires_at and sh.lease_expires_at >= now
-                   for sh in shards)
-        if not held and waiting_for_worker(settings, job):
+        if not render.held_shards(shards, now) and waiting_for_worker(settings, job):
             render.print_job(job, counts[job_id], f"no live worker serves its engine {job.engine_key}: start one "
                                                   f"with `{worker_command_for(job.engine_options)}`, or "
                                                   f"`pipeline resume {job.id}` finishes it here, in place",

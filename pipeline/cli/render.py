@@ -98,11 +98,16 @@ def print_jobs(jobs, waiting: set[str] = frozenset()) -> None:
     Console().print(table)
 
 
+def held_shards(shards, now) -> list:
+    """The shards running under a lease that has not expired: a live process holds them."""
+    return [sh for sh in shards if sh.status == ShardStatus.RUNNING and sh.lease_expires_at
+            and sh.lease_expires_at >= now]
+
+
 def next_step(job, shards, now) -> str | None:
     """What a user can do about a job that is not moving or has requests left, or None."""
     if job.status not in JobStatus.terminal():
-        held = [sh for sh in shards if sh.status == ShardStatus.RUNNING and sh.lease_expires_at
-                and sh.lease_expires_at >= now]
+        held = held_shards(shards, now)
         if held:
             return (f"{len(held)} shard(s) running ({', '.join(sorted({sh.worker for sh in held}))}); "
                     f"`pipeline resume {job.id}` would run the others here")
