@@ -112,7 +112,8 @@ def check_worker_counters(samples, job, table, num_shards: int) -> None:
     want = expected_from_results(job, table)
     assert value(samples, "pipeline_generated_tokens_total") == want["generated"] > 0
     assert value(samples, "pipeline_prompt_tokens_total") == want["prompt"]
-    assert value(samples, "pipeline_cached_prompt_tokens_total") == want["cached"]
+    # the rows' shared prefix: the prefix cache serves some of their prompt tokens
+    assert value(samples, "pipeline_cached_prompt_tokens_total") == want["cached"] > 0
     for reason, n in want["reasons"].items():
         assert value(samples, "pipeline_requests_total", finish_reason=reason) == n, reason
     assert value(samples, "pipeline_requests_total") == table.num_rows
@@ -126,6 +127,30 @@ def check_worker_counters(samples, job, table, num_shards: int) -> None:
     for gauge in ("pipeline_running_sequences", "pipeline_waiting_sequences", "pipeline_shards_in_flight",
                   "pipeline_kv_cache_utilization"):
         assert value(samples, gauge) == 0, gauge
+
+
+# The issue's list: every one on a worker's endpoint, with its type; and the only labels there are.
+WORKER_METRICS = {
+    **dict.fromkeys(("pipeline_prompt_tokens", "pipeline_generated_tokens", "pipeline_cached_prompt_tokens",
+                     "pipeline_requests", "pipeline_shards", "pipeline_preemptions"), "counter"),
+    **dict.fromkeys(("pipeline_running_sequences", "pipeline_waiting_sequences", "pipeline_kv_cache_utilization",
+                     "pipeline_shards_in_flight"), "gauge"),
+    **dict.fromkeys(("pipeline_time_to_first_token_seconds", "pipeline_request_latency_seconds",
+                     "pipeline_engine_step_seconds"), "histogram"),
+}
+LOW_CARDINALITY_LABELS = {"model", "worker", "finish_reason", "outcome", "le"}
+
+
+def check_worker_families(port: int) -> None:
+    """The worker's endpoint has every metric of the issue with its type, and its series carry
+    only low-cardinality labels (never a job or request id)."""
+    families = {f.name: f for f in text_string_to_metric_families(get(f"http://127.0.0.1:{port}/metrics").decode())}
+    assert {name: families[name].type for name in WORKER_METRICS if name in families} == WORKER_METRICS
+    for family in families.values():
+        if family.name.startswith("pipeline_"):
+            assert family.samples, family.name   # each was written to, so each is there to query
+            labels = {label for sample in family.samples for label in sample.labels}
+            assert labels <= LOW_CARDINALITY_LABELS, (family.name, labels)
 
 
 def json_log_of(cluster, worker) -> list[dict]:
@@ -160,10 +185,16 @@ def submit_and_wait(cluster, rows, *args) -> str:
     return done.stdout.strip()
 
 
+# A few KV blocks of prompt that every request starts with: the prefix cache serves it.
+SHARED_PREFIX = "You label the items of a nightly inventory, one short word for each item. " * 3
+
+
 def some_rows(prefix: str, n: int) -> list[dict]:
-    """Requests of a few lengths, and one whose prompt is too long for the tiny model (an error row)."""
-    return [{"id": f"{prefix}{i}", "prompt": f"Item {i}", "max_tokens": 2 + i % 4, "ignore_eos": True}
-            for i in range(n)] + [{"id": f"{prefix}-too-long", "prompt": "word " * 600, "max_tokens": 2}]
+    """Requests of a few lengths with a shared prompt prefix, and one whose prompt is too long
+    for the tiny model (an error row)."""
+    return [{"id": f"{prefix}{i}", "prompt": f"{SHARED_PREFIX}Item {i}", "max_tokens": 2 + i % 4,
+             "ignore_eos": True} for i in range(n)] + [{"id": f"{prefix}-too-long", "prompt": "word " * 600,
+                                                       "max_tokens": 2}]
 
 
 @contextlib.contextmanager
@@ -225,14 +256,16 @@ def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sql
         samples = wait_until("the worker's counters to cover the job's 3 shards", lambda: settled(worker_port, 3),
                              logs_of=c)
         check_worker_counters(samples, job, table, num_shards=3)
+        check_worker_families(worker_port)
         assert {s.labels["model"] for s in samples if s.name == "pipeline_generated_tokens_total"} == \
             {c.model_dir.name}   # the model's name, never a path or a job id
-        assert not any("job_id" in s.labels for s in samples)
 
         exported = scrape(exporter_port)
         assert value(exported, "pipeline_ledger_up") == value(exported, "pipeline_broker_up") == 1
         assert value(exported, "pipeline_jobs", status="completed") == 1
-        assert value(exported, "pipeline_queue_messages", queue=c.shard_queue) == 0
+        # the worker's own model's queue (not the default one), reported though no job is left
+        assert [s.value for s in exported if s.name == "pipeline_queue_messages"
+                and s.labels["queue"] == c.shard_queue] == [0]
 
         # Prometheus scraped both: the numbers it stores are the ledger's
         wait_until("Prometheus to store the job's generated tokens",
@@ -308,6 +341,7 @@ def test_a_prefork_worker_serves_every_childs_numbers_on_one_port(sqlite_url, cl
     assert len(workers) == 2, f"both children should have run shards: {workers}"
     samples = wait_until("the counters of both children", lambda: settled(port, 4), logs_of=c)
     check_worker_counters(samples, job, table, num_shards=4)
+    check_worker_families(port)
     # the children's records are JSON lines too, each naming its own process
     about = [r for r in json_log_of(c, worker) if r.get("job_id") == job_id and r.get("attempt")]
     assert {r["worker"] for r in about} == workers
@@ -340,7 +374,7 @@ def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, eng
               **{reason: ("pipeline_requests_total", {**model, "finish_reason": reason})
                  for reason in ("length", "error", "cancelled")},
               **{outcome: ("pipeline_shards_total", {"worker": HOST, "outcome": outcome})
-                 for outcome in ("completed", "skipped", "lost", "crashed")}}
+                 for outcome in ("completed", "skipped", "lost", "crashed", "busy")}}
     before = {key: in_process(name, **labels) for key, (name, labels) in series.items()}
 
     job_id = submit(Session, data_root, tmp_path, some_rows("r", 4), options)
@@ -355,6 +389,7 @@ def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, eng
     crashing = submit(Session, data_root, tmp_path, some_rows("c", 1), {"model": str(tmp_path / "no-model")})
     with pytest.raises(Exception):
         run_shard(Session, data_root, crashing, 0, **run)
+    assert run_shard(Session, data_root, crashing, 0, **run) == "busy"   # still leased to the crashed attempt
 
     grew = {key: in_process(name, **labels) - before[key] for key, (name, labels) in series.items()}
     with Session() as s:
@@ -363,7 +398,7 @@ def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, eng
     assert grew["prompt"] == done.prompt_tokens + cancelled.prompt_tokens
     assert grew["ran"] == 4 + 1   # the four that ran and the cancelled job's "quick" one
     assert [grew[r] for r in ("length", "error", "cancelled")] == [5, 1, 2]
-    assert [grew[o] for o in ("completed", "skipped", "lost", "crashed")] == [1, 1, 1, 1]
+    assert [grew[o] for o in ("completed", "skipped", "lost", "crashed", "busy")] == [1, 1, 1, 1, 1]
     assert in_process("pipeline_shards_total", worker=HOST, outcome="cancelled") >= 1
     assert in_process("pipeline_shards_in_flight", worker=HOST) == 0
 
@@ -417,7 +452,7 @@ def test_the_engine_observer_sees_every_step_and_preemption(tiny_model_dir):
 
 def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_root, tmp_path):
     from jobs.settings import Settings
-    from workers.broker import enqueue_job
+    from workers.broker import announce, enqueue_job
     from workers.exporter import registry_for
 
     queue = f"pipeline-metrics-{uuid.uuid4().hex[:8]}"
@@ -451,6 +486,17 @@ def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_roo
         finalize_job(Session, data_root, job_id)
         assert sample("pipeline_jobs", status="cancelled") == 1
         assert sample("pipeline_job_requests", job_id=job_id) is None   # ended: its series are gone
+
+        # per-model queues: a job's for another model, and an idle one that a live worker serves
+        for_qwen, served = {"model": "/models/Qwen2.5-0.5B-Instruct"}, {"model": "/models/idle"}
+        qwen_job = create_job_from_file(Session, data_root, src, model=for_qwen["model"], engine_options=for_qwen,
+                                        shard_size=2)[0]
+        enqueue_job(settings, qwen_job, 3, engine_key(for_qwen))
+        announce(settings, [engine_key(served)], "celery@idle")
+        assert sample("pipeline_queue_messages", queue=settings.queue_for(engine_key(for_qwen))) == 3
+        assert sample("pipeline_queue_messages", queue=settings.queue_for(engine_key(served))) == 0
+        announce(settings, [engine_key(served)], "celery@idle", gone=True)
+        assert sample("pipeline_queue_messages", queue=settings.queue_for(engine_key(served))) is None
 
         down = Settings(data_dir=data_root, database_url=db_url, broker_url="redis://127.0.0.1:1/0", queue=queue)
         gone = session_factory(make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none"))

@@ -137,5 +137,21 @@ def live_workers(settings: Settings, engine_key: str) -> list[str]:
         client.close()
 
 
+def served_engine_keys(settings: Settings) -> list[str]:
+    """The engine keys that some live worker of this PIPELINE_QUEUE serves (its presence
+    sets, found by name: `<queue>.<key>:workers`)."""
+    prefix, suffix = f"{settings.queue}.", ":workers"
+    client = _client(settings)
+    try:
+        keys = set()
+        for name in client.scan_iter(match=re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*" + suffix):
+            name = name.decode()
+            if client.zcount(name, time.time() - PRESENCE_TTL_S, "+inf"):
+                keys.add(name[len(prefix):-len(suffix)])
+        return sorted(keys)
+    finally:
+        client.close()
+
+
 def _client(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)

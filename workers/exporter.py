@@ -27,7 +27,7 @@ class LedgerAndBrokerCollector:
 
     def __init__(self, settings: Settings, Session: sessionmaker[Session], queues: Iterable[str] = ()):
         self.settings, self.Session = settings, Session
-        self.queues = tuple(queues)   # none given: the queues of the engines of the jobs not ended
+        self.queues = tuple(queues)   # none given: the queues of the engines served or asked for
 
     def collect(self) -> Iterator[Metric]:
         yield from self._broker()
@@ -50,9 +50,10 @@ class LedgerAndBrokerCollector:
         yield waiting
 
     def _engine_queues(self) -> list[str]:
-        """The default engine's queue and those of the engine keys of jobs that have not ended."""
+        """The default engine's queue, those of the engines live workers serve (an idle
+        model's queue reads 0, not nothing) and those of the jobs that have not ended."""
         from pipeline.engine_key import engine_key
-        keys = {engine_key({})}
+        keys = {engine_key({}), *broker.served_engine_keys(self.settings)}
         try:
             with self.Session() as s:
                 keys.update(ledger.live_engine_keys(s))

@@ -110,8 +110,8 @@ def recover_command(settings):
 @click.option("--port", default=9401, show_default=True, type=click.IntRange(1, 65535),
               help="Serve at http://<host>:PORT/metrics.")
 @click.option("--queue", "queues", multiple=True, metavar="QUEUE",
-              help="A broker queue to report (repeatable)  [default: the queues of the default engine and "
-                   "of the engines of the jobs not ended]")
+              help="A broker queue to report (repeatable)  [default: the queues of the default engine, of "
+                   "the engines live workers serve and of the engines of the jobs not ended]")
 @settings_options("broker_url")
 def metrics_command(port, queues, settings):
     """Serve the ledger's and the broker's numbers for Prometheus until stopped.
