@@ -154,6 +154,8 @@ def test_status_json_is_an_openai_batch(runner, finished_job):
     for args in (["status", job_id], ["status"], ["list"], ["results", job_id]):
         result = runner.invoke(main, args)
         assert result.exit_code == 0 and job_id in result.stdout, (args, result.output)
+    hint = f"next: 1 request(s) without an answer: `pipeline retry {job_id}` runs them again as a new job (add --local"
+    assert hint in runner.invoke(main, ["status", job_id]).stdout
 
 
 def test_results_export(runner, finished_job, tmp_path):
@@ -236,6 +238,8 @@ def test_export_refuses_one_file_for_output_and_errors(runner, finished_job, tmp
     result = export(runner, job_id, "--format", "openai", "--export", tmp_path / "x.jsonl",
                     "--error-file", tmp_path / "x.jsonl", "--force")
     assert result.exit_code == 2 and "are the same file" in result.stderr
+    result = export(runner, job_id, "--export", tmp_path / "x.jsonl", "--error-file", tmp_path / "e.jsonl")
+    assert result.exit_code == 2 and "--error-file is for --format openai" in result.stderr  # not silently ignored
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 

@@ -492,6 +492,11 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
     never_run = {r["id"] for r in rows} - set(counts)
     assert never_run and shards[-1].status == "cancelled" and reasons["cancelled"] >= 1
 
+    # The retry needs no cramped worker: one batching all its long requests at once keeps it
+    # well inside WAIT_S on a loaded box (two at a time, one shard in flight, did not).
+    w.send_signal(signal.SIGTERM)
+    w.wait(timeout=60)
+    c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=4)
     done = c.cli("retry", job_id, "--wait")
     assert done.returncode == 0, done.stderr + c.all_logs()
     retry_id = check_job_id(done.stdout.strip())

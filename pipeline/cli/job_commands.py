@@ -104,8 +104,8 @@ def run_command(file, engine_options, shard_size, request_timeout, settings):
 
 @click.command("retry")
 @click.argument("job_id")
-@click.option("--only-failed", is_flag=True, help="Only the requests that failed (finish_reason error), not the "
-                                                  "cancelled or never run ones.")
+@click.option("--only-failed", is_flag=True, help="Only the requests that failed (finish_reason error or timeout), "
+                                                  "not the cancelled or never run ones.")
 @click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
 @click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
 @PRIORITY
@@ -115,9 +115,9 @@ def run_command(file, engine_options, shard_size, request_timeout, settings):
 def retry_command(job_id, only_failed, local, shard_size, priority, completion_window, wait, settings):
     """Run the requests of an ended job that have no answer again, as a new job.
 
-    Those are the failed ones (finish_reason error), the cancelled ones and the ones that
-    never ran (a cancelled or interrupted job). A request answered in JOB is never run
-    again, nor one an earlier retry of JOB took already (retry that job instead). The
+    Those are the failed ones (finish_reason error or timeout), the cancelled ones and the
+    ones that never ran (a cancelled or interrupted job). A request answered in JOB is never
+    run again, nor one an earlier retry of JOB took already (retry that job instead). The
     new job has the same request ids, parameters, model and engine options, and metadata
     {"retry_of": JOB}; its id is printed on stdout. Exit 1 if nothing is left to retry.
     Its priority, request timeout and completion window are JOB's (the window counted

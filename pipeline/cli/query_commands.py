@@ -92,6 +92,8 @@ def results_command(job_id, export, fmt, output_file, error_file, force, setting
     results_dir = JobPaths(settings.data_dir, job_id).results_dir
     if note := render.not_ended_note(job):
         click.echo(note, err=True)
+    if error_file and fmt != "openai":  # the pipeline format has one file; an ignored option would mislead
+        raise click.UsageError("--error-file is for --format openai")
     output_file = output_file or export
     if output_file is None:
         if fmt == "openai" or error_file:

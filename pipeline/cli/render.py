@@ -115,7 +115,8 @@ def next_step(job, shards, now) -> str | None:
                 f"worker is left), `pipeline resume {job.id}` finishes it here, in place")
     unanswered = job.total_requests - job.completed_requests
     if unanswered:
-        return f"{unanswered} request(s) without an answer: `pipeline retry {job.id}` runs them again as a new job"
+        return (f"{unanswered} request(s) without an answer: `pipeline retry {job.id}` runs them again as a new job "
+                "(add --local to run it here, without a broker)")
     return None
 
 
