@@ -80,6 +80,7 @@ class DecodeGraphs:
             to_device.copy_into(name, dst[:len(array)], array)
         return bucket
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool (as nano-vllm does).
         The static buffers hold pad rows meanwhile, so warm-up and capture write only the pad block."""
