@@ -25,7 +25,7 @@ from pipeline.kv_cache import KVCache
 from pipeline.model_runner import ModelRunner
 from pipeline.sampling_params import SamplingParams as Params
 from pipeline.sequence import Sequence
-from test_engine import one_torch_thread  # noqa: F401
+from test_engine import host_reads, one_torch_thread  # noqa: F401
 
 CPU = torch.device("cpu")
 BS = 4            # block size of the hand-made batch
@@ -76,6 +76,7 @@ def test_varlen_metadata_of_a_mixed_batch_matches_hand_computed_values():
     # Rows that sample: the decode, all 1 + 2 speculative rows, the fresh prompt's last; not the chunk.
     assert layout.sample_rows.tolist() == [0, 1, 2, 3, 8]
     assert layout.num_decode_seqs == 2 and not layout.is_plain_decode
+    assert runner.to_device.pinned == {}   # a CPU never stages through pinned memory
 
 
 def test_cpu_metadata_of_the_same_batch_splits_speculative_rows_into_decodes():
@@ -188,12 +189,13 @@ def test_buckets_cover_every_batch_size():
     assert buckets(20) == [1, 2, 4, 8, 16, 20]
 
 
-def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_dir, monkeypatch):
+def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_dir, monkeypatch, host_reads):
     """What a CUDA graph captures, traced whole on the CPU (PyTorch paths: no C kernels, no
-    packed weights): torch.compile(fullgraph=True) raises on any graph break. 3 sequences
-    padded to the bucket of 4: compiled logits equal eager's for the real and the padding
-    row, the real rows equal the unpadded eager step's, and the padding row wrote only to
-    the pad block."""
+    packed weights): torch.compile(fullgraph=True) raises on any graph break. It does not
+    catch a host read (torch 2.13 traces .item() into the graph as an unbacked scalar), so
+    the eager padded forward must also read nothing back. 3 sequences padded to the bucket
+    of 4: compiled logits equal eager's for the real and the padding row, the real rows
+    equal the unpadded eager step's, and the padding row wrote only to the pad block."""
     monkeypatch.setattr(kernels, "_load", lambda: None)   # as PIPELINE_CPU_KERNELS=0
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
                                  max_num_seqs=4, pack_weights=False, attention_backend="reference"))
@@ -201,6 +203,7 @@ def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_di
     for i, n in enumerate((5, 19, 33)):
         engine.add_request(Request(f"g{i}", prompt_token_ids=[rng.randrange(100, 49000) for _ in range(n)],
                                    params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    assert engine.runner.graphs is None   # cuda_graphs is on by default, and ignored on a CPU
     engine.step()   # the prefills; the next step decodes all three
     engine.step()
     batch = engine.scheduler.schedule()
@@ -214,7 +217,9 @@ def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_di
         bucket = graphs.load(layout, HostToDevice(CPU))
         assert bucket == 4
         k_before = kv.k.clone()
+        reads = sum(host_reads.values())
         eager = engine.model.compute_logits(graphs.forward(bucket))
+        assert sum(host_reads.values()) == reads, host_reads   # nothing a capture would choke on
         compiled = engine.model.compute_logits(
             torch.compile(graphs.forward, fullgraph=True, backend="eager", dynamic=False)(bucket))
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)   # all 4 rows, the padding one too
