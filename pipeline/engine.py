@@ -75,7 +75,6 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (for example after a warm-up that must not count).
         Returns False, doing nothing, while requests are running."""
