@@ -56,7 +56,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def perplexity(engine: Engine, text: str, through_cache: bool = False) -> float:
     ids = engine.tokenizer.encode(text)
     n = len(ids)
-    bs = engine.config.block_size
+    bs = engine.block_size
     num_blocks = -(-n // bs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks >= num_blocks
     kv = engine.runner.kv_cache

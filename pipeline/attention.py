@@ -1,8 +1,8 @@
-"""Attention over the paged KV cache, for a packed batch of sequences.
+"""The cpu attention backend's attention over the paged KV cache, for a packed batch.
 
-The batch is packed (no padding): decoding sequences first, one token each, then
-prefill chunks. `AttentionMetadata` is built once per step by the model runner and
-shared by every layer.
+The batch is packed (no padding): decoding rows first, one token each, then prefill
+chunks. `AttentionMetadata` is built once per step from the model runner's layout by
+attention_backends/cpu.py and shared by every layer.
 
 The cache of a layer is [num_blocks, kv_heads, block_size, head_dim]: a block holds
 each head's keys contiguously, so a gathered block is directly a batch of small
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,10 +42,10 @@ class PrefillChunk:
 class DecodeLayout:
     """The blocks each decoding sequence reads, for the C kernel; the PyTorch path asks
     for its flattened form (`flat`), built only when that path runs."""
-    block_tables: torch.Tensor  # [seqs, max_blocks] int32, each decoding sequence's blocks (0-padded)
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32, each decoding sequence's blocks (padded)
     context_lens: torch.Tensor  # [seqs] int32, the tokens each one attends to (its new one included)
-    tables: list[list[int]]
-    lens: list[int]
+    tables: "list[list[int]] | np.ndarray"   # the same on the host
+    lens: "list[int] | np.ndarray"
     block_size: int
     _flat: "FlatDecodeLayout | None" = None
 
@@ -65,8 +66,10 @@ class DecodeLayout:
     def flat(self, dtype: torch.dtype) -> "FlatDecodeLayout":
         """Built on first use, then shared by every layer of the step."""
         if self._flat is None:
-            self._flat = FlatDecodeLayout.build(self.tables, self.lens, self.block_size,
-                                                self.block_tables.device, dtype)
+            tables, lens = self.tables, self.lens
+            if isinstance(tables, np.ndarray):
+                tables, lens = tables.tolist(), lens.tolist()
+            self._flat = FlatDecodeLayout.build(tables, lens, self.block_size, self.block_tables.device, dtype)
         return self._flat
 
 

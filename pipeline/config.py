@@ -8,6 +8,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "nf4")
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("none", "ngram")
+ATTENTION_BACKENDS = ("auto", "cpu", "varlen", "reference")   # pipeline/attention_backends
 
 
 @dataclass(slots=True)
@@ -29,7 +30,9 @@ class EngineConfig:
     # scale per token and head (kv_quant.py): the same budget holds ~2x the blocks of bf16,
     # ~3.8x of float32.
     kv_cache_dtype: str = "auto"
-    block_size: int = 16
+    # Tokens per KV-cache block; None: the attention backend's (16 for cpu and reference,
+    # 256 for varlen: FlashAttention-2's paged KV needs a multiple of 256).
+    block_size: int | None = None
     max_num_seqs: int | None = None     # None: 64 on a CPU, 256 on CUDA
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None    # None: the model's own context length
@@ -48,6 +51,13 @@ class EngineConfig:
     # 8: on a CPU, a step of 2-5 rows costs nearly what 9 do (README, Speed).
     speculative: str = "none"
     num_speculative_tokens: int = 8
+    # Attention over the paged cache (pipeline/attention_backends). auto: varlen
+    # (FlashAttention-2) on CUDA in float16/bfloat16 with a cache of that dtype, else cpu
+    # (C kernels on a CPU, PyTorch paths elsewhere). reference: plain PyTorch varlen, slow.
+    attention_backend: str = "auto"
+    # CUDA: replay decode-only steps from CUDA graphs captured at bucketed batch sizes
+    # (cuda_graphs.py; varlen and reference backends). Ignored on a CPU.
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -62,6 +72,9 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

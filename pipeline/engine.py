@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from pipeline import memory_budget
+from pipeline import attention_backends, memory_budget
 from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
 from pipeline.detokenizer import IncrementalDetokenizer
@@ -44,19 +44,29 @@ class Engine:
 
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+        self.attention_backend = backend = attention_backends.select(config.attention_backend, self.device,
+                                                                     dtype, kv_dtype)
+        self.block_size = block_size = config.block_size or backend.default_block_size
+        backend.check(block_size, dtype, kv_dtype, self.device)
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
             memory_budget.kv_cache_bytes(config, self.device, args, dtype, self.max_num_seqs),
-            args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
-        kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size,
-                           num_blocks, kv_dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
+            args.num_layers, args.num_kv_heads, args.head_dim, block_size, kv_dtype)
+        kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
+                           num_blocks, kv_dtype, self.device, backend)
+        self.block_manager = BlockManager(num_blocks, block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,
                             args.max_position_embeddings)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len)
-        self.runner = ModelRunner(self.model, kv_cache, self.device)
+        self.runner = ModelRunner(self.model, kv_cache, self.device, backend)
+        if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
+            from pipeline.cuda_graphs import DecodeGraphs
+            graphs = DecodeGraphs(self.model, self.max_num_seqs, self.scheduler.max_model_len,
+                                  block_size, kv_cache.pad_block, self.device)
+            graphs.capture()
+            self.runner.graphs = graphs
         self.sampler = Sampler(self.device)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
         self.num_steps = 0

@@ -12,21 +12,31 @@ MADV_HUGEPAGE = 14
 
 
 class KVCache:
-    """k and v: [layers, num_blocks, kv_heads, block_size, head_dim].
+    """k and v: [layers, *layer_shape], the layer shape given by the attention backend
+    (pipeline/attention_backends): [num_blocks + 1, kv_heads, block_size, head_dim] for the
+    cpu backend, [num_blocks + 1, block_size, kv_heads, head_dim] for the varlen ones.
 
     A token's slot is block_id * block_size + offset; the block manager decides which
-    block ids a sequence owns. Sized once from the memory budget and never reallocated.
-    dtype is the compute dtype, or torch.int8 for an INT8 cache: then k_scale and v_scale
-    [layers, num_blocks, kv_heads, block_size] float32 hold each token's and head's scale
-    (kv_quant.py); otherwise they are None.
+    block ids a sequence owns, among 0 .. num_blocks - 1. One more block, `pad_block`
+    (= num_blocks), is never handed out: padding rows (CUDA graphs of bucketed decode
+    batches) write their keys there and block tables are padded with it. Sized once from
+    the memory budget and never reallocated.
+    dtype is the compute dtype, or torch.int8 for an INT8 cache (cpu backend): then k_scale
+    and v_scale [layers, num_blocks + 1, kv_heads, block_size] float32 hold each token's and
+    head's scale (kv_quant.py); otherwise they are None.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_blocks: int, dtype: torch.dtype, device: torch.device):
+                 num_blocks: int, dtype: torch.dtype, device: torch.device, backend=None):
+        if backend is None:
+            from pipeline.attention_backends.cpu import CpuBackend
+            backend = CpuBackend()
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.pad_block = num_blocks
+        self.num_kv_heads = num_kv_heads
         self.dtype = dtype
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (num_layers, *backend.layer_cache_shape(num_blocks + 1, num_kv_heads, block_size, head_dim))
         self.k = _zeros_on_huge_pages(shape, dtype, device)
         self.v = _zeros_on_huge_pages(shape, dtype, device)
         self.k_scale = self.v_scale = None
@@ -34,9 +44,12 @@ class KVCache:
             self.k_scale = _zeros_on_huge_pages(shape[:-1], torch.float32, device)
             self.v_scale = _zeros_on_huge_pages(shape[:-1], torch.float32, device)
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k.shape[2]
+    def layer(self, i: int):
+        """Layer i's cache, as the attention backends take it."""
+        from pipeline.attention_backends import LayerCache
+        if self.k_scale is None:
+            return LayerCache(self.k[i], self.v[i])
+        return LayerCache(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

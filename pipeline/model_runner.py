@@ -1,36 +1,47 @@
 """Turns a scheduled batch into one forward pass over packed tokens.
 
-Owns the model and the KV cache: lays out the step's tokens (decodes first, then
-prefill chunks), builds the attention metadata shared by every layer, and returns
-logits only for the sequences that sample this step.
+Owns the model, the KV cache and the attention backend: lays out the step's tokens
+(decodes first, then prefill chunks) once on the host with numpy (`StepLayout`), has the
+backend build its metadata from that (shared by every layer), and returns logits only
+for the sequences that sample this step. On CUDA every array reaches the device through
+a persistent pinned buffer with a non-blocking copy, and nothing is read back during the
+forward: the step's only sync is the sampled tokens.
 
 A decoding sequence with draft tokens (speculative.py) runs its last token and its K
-drafts as 1 + K decode rows over its own blocks, row i attending to the context up to
-itself: the same decode attention as any other decode, since every token's keys and
-values are written before attention reads them. It gets logits for all 1 + K rows.
+drafts as 1 + K rows over its own blocks, row i attending to the context up to itself
+(each row one decode for the cpu backend, one query of 1 + K rows for the varlen ones):
+every token's keys and values are written before attention reads them. It gets logits
+for all 1 + K rows.
+
+Decode-only steps on CUDA replay a captured CUDA graph when the backend allows it
+(cuda_graphs.py); every other step runs eagerly.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from pipeline.attention import AttentionMetadata, DecodeLayout, PrefillChunk, cache_rows
+from pipeline.attention_backends import AttentionBackend, HostToDevice, StepLayout
 from pipeline.kv_cache import KVCache
 from pipeline.scheduler import ScheduledBatch
 from pipeline.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: AttentionBackend | None = None):
+        if backend is None:
+            from pipeline.attention_backends.cpu import CpuBackend
+            backend = CpuBackend()
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.backend = backend
         self.block_size = kv_cache.block_size
+        self.to_device = HostToDevice(device)
+        self.graphs = None   # cuda_graphs.DecodeGraphs, once captured (Engine)
         for i, layer in enumerate(model.model.layers):
-            layer.self_attn.k_cache = kv_cache.k[i]
-            layer.self_attn.v_cache = kv_cache.v[i]
-            if kv_cache.k_scale is not None:
-                layer.self_attn.k_scale = kv_cache.k_scale[i]
-                layer.self_attn.v_scale = kv_cache.v_scale[i]
+            layer.self_attn.backend = backend
+            layer.self_attn.cache = kv_cache.layer(i)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
@@ -41,57 +52,59 @@ class ModelRunner:
                        key=lambda i: not (batch.num_new_tokens[i] == 1 or batch.seqs[i].draft_token_ids))
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
-        input_ids, positions, meta, sample_rows = self._prepare(seqs, num_new)
-        hidden = self.model(input_ids, positions, meta)                 # [tokens, hidden]
+        layout = self._prepare(seqs, num_new)
         sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n >= s.num_tokens]
+        if (self.graphs is not None and layout.is_plain_decode and len(sampling) == layout.num_seqs
+                and self.graphs.serves(layout.num_seqs)):
+            hidden = self.graphs.replay(layout, self.to_device)   # every row samples
+            return sampling, self.model.compute_logits(hidden)
+        hidden = self.forward(layout)                                   # [tokens, hidden]
         if not sampling:
             return [], hidden.new_empty((0, 0))
-        logits = self.model.compute_logits(hidden[sample_rows])         # [sampling, vocab]
-        return sampling, logits
+        sample_rows = self.to_device("sample_rows", layout.sample_rows)
+        return sampling, self.model.compute_logits(hidden[sample_rows])  # [sampling, vocab]
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+    def forward(self, layout: StepLayout) -> torch.Tensor:
+        """The eager forward of a step: hidden states [tokens, hidden]."""
+        meta = self.backend.build_metadata(layout, self.kv_cache.num_kv_heads, self.to_device)
+        return self.model(self.to_device("input_ids", layout.input_ids),
+                          self.to_device("positions", layout.positions), meta)
+
+    def _prepare(self, seqs: list[Sequence], num_new: list[int]) -> StepLayout:
         bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _prepare(self, seqs: list[Sequence], num_new: list[int]):
         input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        sample_rows: list[int] = []
-        prefills: list[PrefillChunk] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        starts, tables, sample_rows = [], [], []
+        num_decode = 0
         for seq, n in zip(seqs, num_new):
             start = seq.num_computed_tokens
-            row = len(input_ids)
+            if seq.draft_token_ids or n == 1:
+                num_decode += 1
+            if start + n >= seq.num_tokens:
+                if seq.draft_token_ids:
+                    sample_rows.extend(range(len(input_ids), len(input_ids) + n))
+                else:
+                    sample_rows.append(len(input_ids) + n - 1)
             input_ids.extend(seq.token_ids(start, min(start + n, seq.num_tokens)))
             input_ids.extend(seq.draft_token_ids)   # scheduled only with the last real token
-            positions.extend(range(start, start + n))
-            slot_mapping.extend(self._slots(seq.block_table, start, start + n))
-            if seq.draft_token_ids:
-                sample_rows.extend(range(row, row + n))
-                decode_tables.extend([seq.block_table] * n)
-                decode_lens.extend(range(start + 1, start + n + 1))
-                continue
-            if start + n == seq.num_tokens:
-                sample_rows.append(row + n - 1)
-            if n == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(start + 1)
-            elif start == 0:
-                prefills.append(PrefillChunk(row, row + n, None, None))
-            else:
-                num_blocks = -(-(start + n) // self.block_size)
-                block_ids = torch.tensor(seq.block_table[:num_blocks], device=self.device)
-                q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
-                mask = torch.arange(start + n, device=self.device).unsqueeze(0) <= q_pos
-                prefills.append(PrefillChunk(row, row + n, block_ids, mask))
-
-        meta = AttentionMetadata(
-            cache_rows=cache_rows(torch.tensor(slot_mapping, device=self.device), self.kv_cache.k.shape[2],
-                                  self.block_size),
-            decode=(DecodeLayout.build(decode_tables, decode_lens, self.block_size, self.device)
-                    if decode_tables else None),
-            prefills=prefills)
-        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                meta, torch.tensor(sample_rows, device=self.device))
+            starts.append(start)
+            tables.append(seq.block_table)
+        num_seqs = len(seqs)
+        query_lens = np.array(num_new, dtype=np.int32)
+        context_lens = np.array(starts, dtype=np.int32) + query_lens
+        # Block tables, padded with the pad block: only the blocks each sequence reaches this step.
+        used = -(-context_lens // bs)
+        width = int(used.max())
+        block_tables = np.full((num_seqs, width), self.kv_cache.pad_block, dtype=np.int32)
+        for row, (table, n_blocks) in enumerate(zip(tables, used.tolist())):
+            block_tables[row, :n_blocks] = table[:n_blocks]
+        # Every token's position and cache slot, from its sequence's row.
+        tokens = len(input_ids)
+        owner = np.repeat(np.arange(num_seqs), query_lens)
+        first_row = np.cumsum(query_lens) - query_lens
+        positions = (np.arange(tokens) - np.repeat(first_row - (context_lens - query_lens), query_lens)).astype(np.int64)
+        slot_mapping = block_tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        return StepLayout(input_ids=np.array(input_ids, dtype=np.int64), positions=positions,
+                          slot_mapping=slot_mapping, query_lens=query_lens, context_lens=context_lens,
+                          block_tables=block_tables, num_decode_seqs=num_decode,
+                          sample_rows=np.array(sample_rows, dtype=np.int64), block_size=bs,
+                          pad_block=self.kv_cache.pad_block)

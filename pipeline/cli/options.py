@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from jobs.settings import LOG_FORMATS, Settings, default, env_var
-from pipeline.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
+from pipeline.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
+                             SPECULATIVE_METHODS, EngineConfig)
 
 _SETTING_OPTIONS = {
     "data_dir": dict(decls=("--data-dir",), type=click.Path(file_okay=False), show_default=True,
@@ -83,7 +84,8 @@ _ENGINE_OPTIONS = {
                            help="auto: keys and values in the compute dtype. int8: quantized when "
                                 "written (a scale per token and head), so the same --kv-cache-gib "
                                 "holds about 2x the blocks of bf16, 3.8x of float32  [default: auto]"),
-    "block_size": dict(help="Tokens in one KV-cache block."),
+    "block_size": dict(help="Tokens in one KV-cache block  [default: the attention backend's: 16, or 256 "
+                            "for varlen, whose FlashAttention-2 paged KV needs a multiple of 256]"),
     "max_num_seqs": dict(help="Most sequences in one batch  [default: 64 on a CPU, 256 on CUDA]"),
     "max_num_batched_tokens": dict(help="Most tokens in one engine step."),
     "max_model_len": dict(help="Longest sequence  [default: the model's context length]"),
@@ -100,6 +102,13 @@ _ENGINE_OPTIONS = {
                              "own prompt and output, verify them in one pass. Same greedy output, same "
                              "sampling distribution; faster where outputs copy their input  [default: none]"),
     "num_speculative_tokens": dict(help="Most draft tokens per sequence and step (with --speculative)."),
+    "attention_backend": dict(type=click.Choice(ATTENTION_BACKENDS),
+                              help="cpu: C kernels on a CPU (PyTorch paths elsewhere). varlen: FlashAttention-2 "
+                                   "over the paged cache, one call per layer (CUDA, float16/bfloat16). "
+                                   "reference: the same in plain PyTorch (slow, for checks). auto: varlen on "
+                                   "CUDA where it runs, else cpu  [default: auto]"),
+    "cuda_graphs": dict(help="CUDA: replay decode-only steps from graphs captured at bucketed batch "
+                             "sizes (ignored on a CPU)  [default: on]"),
 }
 _SCALARS = {"str": str, "int": int, "float": float}
 

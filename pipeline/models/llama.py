@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over packed tokens.
 
 Inputs are a flat list of tokens from many sequences (no padding) with their
-positions; attention reads and writes the paged KV cache through `AttentionMetadata`.
+positions; attention reads and writes the paged KV cache through the attention backend
+the model runner binds to each layer (pipeline/attention_backends) and that backend's
+metadata for the step.
 Q/K/V and gate/up projections are fused into one matmul each.
 """
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import kernels
-from pipeline.attention import AttentionMetadata, paged_attention, write_kv
 
 
 @dataclass(slots=True)
@@ -175,17 +176,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = args.head_dim ** -0.5
-        self.k_cache = self.v_cache = None   # bound by ModelRunner once the pool exists
-        self.k_scale = self.v_scale = None   # an int8 cache's scales (kv_quant.py), else None
+        # Bound by ModelRunner once the pool exists: the attention backend and this
+        # layer's cache (attention_backends.LayerCache) in its layout.
+        self.backend = self.cache = None
 
-    def forward(self, x, rotation: Rotation, meta: AttentionMetadata):
+    def forward(self, x, rotation: Rotation, meta):
         qkv = self.qkv_proj(x)
         heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        if self.q_norm is None and kernels.can_write_kv(qkv, self.k_cache) and kernels.serves(rotation.cos):
-            # One C pass: rotate q and k in place, store (or quantize) k and v in the cache.
-            kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, self.k_cache,
-                                    self.v_cache, self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
+        if self.q_norm is None and self.backend.rotary_write_kv(qkv, rotation, meta, self.cache,
+                                                                self.num_heads, self.num_kv_heads):
+            # One fused pass (the C kernel) rotated q and k in place and stored k and v.
             q, k, v = heads[:, :q_end], heads[:, q_end:k_end], heads[:, k_end:]
         else:
             v = heads[:, k_end:]
@@ -196,10 +197,9 @@ class Attention(nn.Module):
             else:
                 q = apply_rotary(self.q_norm(heads[:, :q_end]), rotation.complex)
                 k = apply_rotary(self.k_norm(heads[:, q_end:k_end]), rotation.complex)
-            write_kv(self.k_cache, meta.cache_rows, k, self.k_scale)
-            write_kv(self.v_cache, meta.cache_rows, v, self.v_scale)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
-        return self.o_proj(out.view(-1, self.q_size))
+            self.backend.write_kv(self.cache, k, v, meta)
+        out = self.backend.forward(q, k, v, self.cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """input_ids, positions: [tokens] -> hidden states [tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 

@@ -1,0 +1,72 @@
+"""The cpu backend: today's paged attention (pipeline/attention.py) behind the interface.
+
+Layout [num_blocks, kv_heads, block_size, head_dim] per layer, any block size: a block
+holds each head's keys contiguously, read in place by the C decode kernel; the C kernel
+also rotates q and k and writes the cache in one pass. Off the CPU (or without a
+compiler) its PyTorch paths run instead. Decoding rows (a speculative sequence's 1 + K
+rows each count as one) come first, then one scaled_dot_product_attention per prefill chunk.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline import kernels
+from pipeline.attention import AttentionMetadata, DecodeLayout, PrefillChunk, paged_attention, write_kv
+from pipeline.attention_backends import AttentionBackend, HostToDevice, LayerCache, StepLayout
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+    default_block_size = 16
+    supports_int8_kv = True
+
+    def layer_cache_shape(self, num_blocks, num_kv_heads, block_size, head_dim):
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def build_metadata(self, layout: StepLayout, num_kv_heads: int, to_device: HostToDevice) -> AttentionMetadata:
+        bs = layout.block_size
+        slots = layout.slot_mapping
+        # Row of each new token's heads in a layer cache viewed as [blocks * kv_heads * bs, head_dim].
+        rows = ((slots // bs)[:, None] * num_kv_heads + np.arange(num_kv_heads)) * bs + (slots % bs)[:, None]
+        d = layout.num_decode_seqs
+        decode = None
+        if d:
+            q_lens, tables, lens = layout.query_lens[:d], layout.block_tables[:d], layout.context_lens[:d]
+            if int(q_lens.max()) > 1:   # speculative: row j of 1 + K attends up to itself
+                tables = np.repeat(tables, q_lens, axis=0)
+                first = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+                lens = np.repeat(lens - q_lens, q_lens) + (np.arange(len(first)) - first) + 1
+            lens = lens.astype(np.int32)
+            decode = DecodeLayout(block_tables=to_device("decode_tables", tables),
+                                  context_lens=to_device("decode_lens", lens),
+                                  tables=tables, lens=lens, block_size=bs)
+        prefills = []
+        row = int(layout.query_lens[:d].sum())
+        device = to_device.device
+        for i in range(d, layout.num_seqs):
+            n, length = int(layout.query_lens[i]), int(layout.context_lens[i])
+            if n == length:   # nothing cached before it: causal over its own keys
+                prefills.append(PrefillChunk(row, row + n, None, None))
+            else:
+                block_ids = to_device(f"prefill_blocks{i}", layout.block_tables[i, :-(-length // bs)])
+                q_pos = torch.arange(length - n, length, device=device).unsqueeze(1)
+                mask = torch.arange(length, device=device).unsqueeze(0) <= q_pos
+                prefills.append(PrefillChunk(row, row + n, block_ids, mask))
+            row += n
+        return AttentionMetadata(cache_rows=to_device("cache_rows", rows.reshape(-1)), decode=decode,
+                                 prefills=prefills)
+
+    def rotary_write_kv(self, qkv, rotation, meta, cache: LayerCache, num_heads, num_kv_heads) -> bool:
+        if not (kernels.can_write_kv(qkv, cache.k) and kernels.serves(rotation.cos)):
+            return False
+        kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, cache.k, cache.v,
+                                num_heads, num_kv_heads, cache.k_scale, cache.v_scale)
+        return True
+
+    def write_kv(self, cache: LayerCache, k, v, meta) -> None:
+        write_kv(cache.k, meta.cache_rows, k, cache.k_scale)
+        write_kv(cache.v, meta.cache_rows, v, cache.v_scale)
+
+    def forward(self, q, k, v, cache: LayerCache, meta, scale):
+        return paged_attention(q, k, v, cache.k, cache.v, meta, scale, cache.k_scale, cache.v_scale)
