@@ -70,25 +70,36 @@ class StepLayout:
 class HostToDevice:
     """numpy arrays to tensors on the device. On a CPU a zero-copy view. On CUDA through a
     persistent pinned buffer per name, copied with non_blocking=True: the host never waits
-    for the copy. A buffer is reused only in the next step, after that step's one sync
-    (the sampled tokens), so its previous copy has finished by then."""
+    for the copy. Before a buffer is written again, the event recorded after its last copy
+    is waited on: normally long done (a step's sampled tokens sync the stream), but a
+    prefill-only step samples nothing, and the next step must not overwrite a buffer
+    whose copy may still be in flight."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pinned: dict[str, torch.Tensor] = {}
+        self._copied: dict[str, torch.cuda.Event] = {}
 
     def __call__(self, name: str, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cpu":
             return host
-        return self.stage(name, host).to(self.device, non_blocking=True)
+        out = self.stage(name, host).to(self.device, non_blocking=True)
+        self._record(name)
+        return out
 
     def copy_into(self, name: str, dst: torch.Tensor, array: np.ndarray) -> None:
         """dst (a device tensor of array's shape) = array, without the host waiting."""
         host = torch.from_numpy(np.ascontiguousarray(array))
-        dst.copy_(host if self.device.type == "cpu" else self.stage(name, host), non_blocking=True)
+        if self.device.type == "cpu":
+            dst.copy_(host)
+            return
+        dst.copy_(self.stage(name, host), non_blocking=True)
+        self._record(name)
 
     def stage(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        if (copied := self._copied.pop(name, None)) is not None and not copied.query():
+            copied.synchronize()   # the previous copy out of this buffer must finish first
         buf = self.pinned.get(name)
         if buf is None or buf.dtype != host.dtype or buf.numel() < host.numel():
             buf = torch.empty(max(2 * host.numel(), 256), dtype=host.dtype, pin_memory=True)
@@ -96,6 +107,11 @@ class HostToDevice:
         staged = buf[:host.numel()].view(host.shape)
         staged.copy_(host)
         return staged
+
+    def _record(self, name: str) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[name] = event
 
 
 class AttentionBackend:
