@@ -70,8 +70,8 @@ def perplexity(engine: Engine, text: str, through_cache: bool = False) -> float:
             prefill = PrefillChunk(0, end - start, torch.arange(-(-end // bs)), torch.arange(end).unsqueeze(0) <= q_pos)
         else:
             prefill = PrefillChunk(0, end - start, None, None)
-        meta = AttentionMetadata(cache_rows=cache_rows(slots, kv.num_kv_heads, kv.block_size), decode=None,
-                                 prefills=[prefill])
+        rows = torch.from_numpy(cache_rows(slots.numpy(), kv.num_kv_heads, kv.block_size))
+        meta = AttentionMetadata(cache_rows=rows, decode=None, prefills=[prefill])
         logits.append(engine.model.compute_logits(engine.model(torch.tensor(ids[start:end]), slots, meta)))
     nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], torch.tensor(ids[1:]))
     return math.exp(nll.item())

@@ -123,13 +123,12 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
-def cache_rows(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+def cache_rows(slot_mapping: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
     """Rows of a layer cache viewed as [blocks * kv_heads * block_size, head_dim] that receive
     each new token's heads; slot = block_id * block_size + offset. The same for every layer,
-    so computed once per step."""
+    so computed once per step, on the host (from the step layout's slots)."""
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    heads = torch.arange(num_kv_heads, device=slot_mapping.device)
-    return ((block.unsqueeze(1) * num_kv_heads + heads) * block_size + offset.unsqueeze(1)).reshape(-1)
+    return ((block[:, None] * num_kv_heads + np.arange(num_kv_heads)) * block_size + offset[:, None]).reshape(-1)
 
 
 def write_kv(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor,

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,7 @@ def test_rotary_write_kv_matches_pytorch(dtype):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     angles = torch.rand(tokens, head_dim // 2) * 6
     rotation = Rotation(angles.cos(), angles.sin())
-    rows = cache_rows(torch.tensor([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size)
+    rows = torch.from_numpy(cache_rows(np.array([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size))
     caches = [torch.zeros(4, kv_heads, block_size, head_dim, dtype=dtype) for _ in range(4)]
 
     view = qkv.clone().view(tokens, -1, head_dim)
@@ -242,7 +243,7 @@ def test_int8_rotary_write_kv_quantizes_like_pytorch(dtype):
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 5).to(dtype)
     angles = torch.rand(tokens, head_dim // 2) * 6
     rotation = Rotation(angles.cos(), angles.sin())
-    rows = cache_rows(torch.tensor([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size)
+    rows = torch.from_numpy(cache_rows(np.array([5, 6, 7, 8, 9, 10, 11, 0, 1]), kv_heads, block_size))
     caches = [torch.zeros(4, kv_heads, block_size, head_dim, dtype=torch.int8) for _ in range(4)]
     scales = [torch.zeros(4, kv_heads, block_size) for _ in range(4)]
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from pipeline import kernels
-from pipeline.attention import AttentionMetadata, DecodeLayout, PrefillChunk, paged_attention, write_kv
+from pipeline.attention import (AttentionMetadata, DecodeLayout, PrefillChunk, cache_rows, paged_attention,
+                                write_kv)
 from pipeline.attention_backends import AttentionBackend, HostToDevice, LayerCache, StepLayout
 
 
@@ -26,9 +27,7 @@ class CpuBackend(AttentionBackend):
 
     def build_metadata(self, layout: StepLayout, num_kv_heads: int, to_device: HostToDevice) -> AttentionMetadata:
         bs = layout.block_size
-        slots = layout.slot_mapping
-        # Row of each new token's heads in a layer cache viewed as [blocks * kv_heads * bs, head_dim].
-        rows = ((slots // bs)[:, None] * num_kv_heads + np.arange(num_kv_heads)) * bs + (slots % bs)[:, None]
+        rows = cache_rows(layout.slot_mapping, num_kv_heads, bs)
         d = layout.num_decode_seqs
         decode = None
         if d:
@@ -54,7 +53,7 @@ class CpuBackend(AttentionBackend):
                 mask = torch.arange(length, device=device).unsqueeze(0) <= q_pos
                 prefills.append(PrefillChunk(row, row + n, block_ids, mask))
             row += n
-        return AttentionMetadata(cache_rows=to_device("cache_rows", rows.reshape(-1)), decode=decode,
+        return AttentionMetadata(cache_rows=to_device("cache_rows", rows), decode=decode,
                                  prefills=prefills)
 
     def rotary_write_kv(self, qkv, rotation, meta, cache: LayerCache, num_heads, num_kv_heads) -> bool:
