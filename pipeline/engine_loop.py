@@ -18,14 +18,21 @@ regions and sleep in the kernel instead. An engine built in one thread and stepp
 another thus ran 8-10% of each step off the CPU on 2 cores (98% on it when one thread
 does both, as in `pipeline bench`). The process should also call
 pipeline.host_memory.use_one_malloc_arena() before it starts threads.
+
+Every live loop is closed when the interpreter exits (atexit runs after the non-daemon
+threads ended, before the daemon ones are stopped): a daemon thread stopped inside a
+torch op aborts the whole process ("terminate called without an active exception",
+pytorch#38228), so a worker that shut down cleanly would still exit with SIGABRT.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -35,6 +42,14 @@ if TYPE_CHECKING:
     from pipeline.engine import Engine
 
 POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wakes it at once)
+
+_live_loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loops() -> None:
+    for loop in list(_live_loops):
+        loop.close()
 
 
 class _Stream:
@@ -74,6 +89,7 @@ class EngineLoop:
             self._thread.join()
             raise self._build_error
         self.lookahead = self.engine.lookahead   # requests a stream keeps in the engine
+        _live_loops.add(self)
 
     @property
     def is_serving(self) -> bool:

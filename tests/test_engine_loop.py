@@ -159,3 +159,29 @@ def test_a_failed_build_is_raised_to_the_caller_and_leaves_no_thread():
     with pytest.raises(OSError, match="no such model"):
         EngineLoop(lambda: (_ for _ in ()).throw(OSError("no such model")))
     assert threading.active_count() == before
+
+
+EXIT_MID_STEP = """
+import sys, threading, time
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from pipeline.engine_loop import EngineLoop
+loop = EngineLoop(lambda: Engine(EngineConfig(device="cpu", model=sys.argv[1])))
+requests = [Request(str(i), prompt="hello " * 40, params=SamplingParams(max_tokens=400, ignore_eos=True))
+            for i in range(48)]
+threading.Thread(target=lambda: list(loop.generate(requests)), daemon=True).start()
+while loop.engine.scheduler.num_unfinished == 0:
+    time.sleep(0.01)
+time.sleep(float(sys.argv[2]))
+assert loop.engine.has_unfinished_requests   # the interpreter exits while the loop steps
+"""
+
+
+def test_the_process_exits_cleanly_while_the_loop_is_stepping(tiny_model_dir):
+    # Without the loop closing at exit, its daemon thread is stopped inside a torch op:
+    # SIGABRT about half the time (pytorch#38228); three runs.
+    import subprocess
+    import sys
+    for delay in ("0.2", "0.45", "0.7"):
+        proc = subprocess.run([sys.executable, "-c", EXIT_MID_STEP, str(tiny_model_dir), delay],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
