@@ -87,6 +87,32 @@ def test_a_shard_starts_only_when_the_batch_has_room(options):
     holder.close()
 
 
+def test_waiting_shards_enter_by_rank_then_job_then_index():
+    """Threads reach the gate in any order: a higher rank goes first, then the job that
+    came first, and one job's shards in index order."""
+    holder = EngineHolder()
+    entered, release = [], threading.Event()
+
+    def enter(shard, rank=1):
+        with holder.room(stop=lambda: False, rank=rank, shard=shard, settle_s=60):
+            entered.append(shard)
+            if shard == ("a", 0):
+                release.wait(30)   # the next may enter only once this one left
+
+    threads = [threading.Thread(target=enter, args=(("a", 0),))]
+    threads[0].start()
+    assert _wait(lambda: entered == [("a", 0)])
+    for shard, rank in ((("b", 2), 1), (("a", 3), 1), (("b", 1), 1), (("a", 2), 1), (("c", 5), 0), (("a", 1), 1)):
+        waiting = len(holder._waiting)
+        threads.append(threading.Thread(target=enter, args=(shard, rank)))
+        threads[-1].start()
+        assert _wait(lambda: len(holder._waiting) == waiting + 1)   # arrived, in this order
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert entered == [("a", 0), ("c", 5), ("b", 1), ("b", 2), ("a", 1), ("a", 2), ("a", 3)]
+    assert not holder._waiting and not holder._job_arrivals
+
 def _wait(predicate, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -59,11 +59,12 @@ class EngineHolder:
         self._loop = None
         self._users = 0
         self._idle_since = time.monotonic()
-        self._gate = threading.Lock()   # room: one shard enters at a time
-        # room's waiting shards as sorted (rank, arrival) tickets: only the first may take the gate.
-        self._waiting: list[tuple[int, int]] = []
+        # room's waiting shards as sorted (rank, job's arrival, shard index, arrival) tickets:
+        # only the first may enter.
+        self._waiting: list[tuple[int, int, int, int]] = []
         self._waiting_lock = threading.Lock()
         self._arrivals = itertools.count()
+        self._job_arrivals: dict[str, list[int]] = {}   # job id -> [its arrival, its waiting tickets]
         self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
         self._building = False
 
@@ -123,7 +124,8 @@ class EngineHolder:
 
     @contextlib.contextmanager
     def room(self, stop: Callable[[], bool], while_waiting: Callable[[], None] | None = None,
-             poll_s: float = 0.05, settle_s: float = 2.0, rank: int = 0) -> Iterator[None]:
+             poll_s: float = 0.05, settle_s: float = 2.0, rank: int = 0,
+             shard: tuple[str, int] | None = None) -> Iterator[None]:
         """Enter once the engine's batch has room for another shard's requests (or there
         is no engine yet, or stop() is true); hold it while the shard runs.
 
@@ -133,54 +135,67 @@ class EngineHolder:
         shard. while_waiting() is called every poll while this shard waits (the task keeps
         its shard's place in the ledger with it).
 
-        Waiting shards enter by rank (0 first: a higher-priority job's, jobs.scheduling),
-        then in the order they came: a worker reserves several messages at once, and a
-        high-priority shard that arrives behind reserved low ones goes before them."""
+        Only the first of the waiting shards may enter. They are ordered by rank (0 first:
+        a higher-priority job's, jobs.scheduling), then in the order they came: a worker
+        reserves several messages at once, and a high-priority shard that arrives behind
+        reserved low ones goes before them. The waiting shards of one job (shard: (job id,
+        index)) go in index order, where the job's first waiting one would: threads reach
+        this point in no particular order, and the engine's batches then follow the input
+        file, as `pipeline bench`'s do."""
         left = threading.Event()
-        self._take_gate(rank, poll_s, while_waiting)
+        ticket = self._line_up(rank, shard)
         try:
-            while self._settling is not None and self._settling() and not stop():
+            while True:
+                with self._waiting_lock:
+                    if self._waiting[0] == ticket and (stop() or self._may_enter()):
+                        self._settling = self._settling_after(left, settle_s)
+                        break
                 self._wait(poll_s, while_waiting)
-            while not stop():
-                loop = self._loop
-                if loop is None or not loop.is_serving or loop.has_room:
-                    break
-                self._wait(poll_s, while_waiting)
-            loop = self._loop
-            deadline = time.monotonic() + settle_s
-            if loop is None:   # the first shard builds the engine: the next waits for that
-                self._settling = lambda: not left.is_set() and (
-                    self._building or (self._loop is None and time.monotonic() < deadline))
-            else:
-                before = loop.num_unfinished
-                self._settling = lambda: (not left.is_set() and loop.num_unfinished <= before
-                                          and time.monotonic() < deadline)
         finally:
-            self._gate.release()
+            self._leave_line(ticket, shard)
         try:
             yield
         finally:
             left.set()
 
-    def _take_gate(self, rank: int, poll_s: float, while_waiting: Callable[[], None] | None) -> None:
-        """Acquire the gate once this shard's ticket is the first of the waiting ones."""
-        ticket = (rank, next(self._arrivals))
+    def _line_up(self, rank: int, shard: tuple[str, int] | None) -> tuple[int, int, int, int]:
+        """This shard's place among the waiting ones: (rank, its job's arrival, index, arrival)."""
         with self._waiting_lock:
+            arrival = next(self._arrivals)
+            if shard is None:
+                ticket = (rank, arrival, 0, arrival)
+            else:
+                job = self._job_arrivals.setdefault(shard[0], [arrival, 0])
+                job[1] += 1
+                ticket = (rank, job[0], shard[1], arrival)
             bisect.insort(self._waiting, ticket)
-        try:
-            while True:
-                with self._waiting_lock:
-                    first = self._waiting[0] == ticket
-                if first and self._gate.acquire(timeout=poll_s):   # shards behind the one in the gate wait too
-                    return
-                if first:
-                    if while_waiting is not None:
-                        while_waiting()
-                else:
-                    self._wait(poll_s, while_waiting)
-        finally:
-            with self._waiting_lock:
-                self._waiting.remove(ticket)
+        return ticket
+
+    def _leave_line(self, ticket: tuple[int, int, int, int], shard: tuple[str, int] | None) -> None:
+        with self._waiting_lock:
+            self._waiting.remove(ticket)
+            if shard is not None:
+                job = self._job_arrivals[shard[0]]
+                job[1] -= 1
+                if job[1] == 0:   # a later shard of this job lines up as a new arrival
+                    del self._job_arrivals[shard[0]]
+
+    def _may_enter(self) -> bool:
+        """Whether the last shard let in has settled and the batch has room."""
+        if self._settling is not None and self._settling():
+            return False
+        loop = self._loop
+        return loop is None or not loop.is_serving or loop.has_room
+
+    def _settling_after(self, left: threading.Event, settle_s: float) -> Callable[[], bool]:
+        """True until the shard entering now has put its requests in, left, or settle_s passed."""
+        loop = self._loop
+        deadline = time.monotonic() + settle_s
+        if loop is None:   # the first shard builds the engine: the next waits for that
+            return lambda: not left.is_set() and (
+                self._building or (self._loop is None and time.monotonic() < deadline))
+        before = loop.num_unfinished
+        return lambda: not left.is_set() and loop.num_unfinished <= before and time.monotonic() < deadline
 
     @staticmethod
     def _wait(poll_s: float, while_waiting: Callable[[], None] | None) -> None:

@@ -135,7 +135,7 @@ def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[
     interrupted = threading.Event()
 
     def run(index: int) -> ShardOutcome:
-        with engines.room(stop=interrupted.is_set):
+        with engines.room(stop=interrupted.is_set, shard=(job_id, index)):
             with Session() as s:
                 shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
             return run_shard(Session, root, job_id, index, engine_provider=engines.use, worker_name=worker,

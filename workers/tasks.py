@@ -74,11 +74,12 @@ def run_shard_task(self, job_id: str, index: int) -> str:
         # shard's queued clock fresh, or the reconciler would take the message for lost.
         # A duplicate of a shard that is not queued (running, done) does not wait: it goes
         # straight to run_shard, which finds it busy or skipped. Waiting shards enter by
-        # priority (rank), then in the order they arrived: a high-priority shard reserved
-        # behind low ones starts at the next shard boundary.
+        # priority (rank), then in the order they arrived, one job's in index order: a
+        # high-priority shard reserved behind low ones starts at the next shard boundary.
         if _keep_queued(Session, job_id, index):
             keep = _every(cfg.queued_grace_s / 3, lambda: _keep_queued(Session, job_id, index))
-            with _engines.room(stop=shutting_down, while_waiting=keep, rank=priority_rank(priority)):
+            with _engines.room(stop=shutting_down, while_waiting=keep, rank=priority_rank(priority),
+                               shard=(job_id, index)):
                 outcome = run()
         else:
             outcome = run()
