@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -171,8 +172,10 @@ def main() -> None:
             ratios.append(lines["job"]["total_tok_s"] / lines["bench"]["total_tok_s"])
             print(json.dumps({"pair": pair, "shard_size": args.shard_size, "ratio": round(ratios[-1], 3)}),
                   flush=True)
-        print(json.dumps({"pairs": len(ratios), "mean_ratio": round(sum(ratios) / len(ratios), 3),
-                          "min_ratio": round(min(ratios), 3)}), flush=True)
+        # The machine's speed drifts by more than the effect between runs: quote the spread too.
+        print(json.dumps({"pairs": len(ratios), "mean_ratio": round(statistics.mean(ratios), 3),
+                          "median_ratio": round(statistics.median(ratios), 3),
+                          "min_ratio": round(min(ratios), 3), "max_ratio": round(max(ratios), 3)}), flush=True)
     finally:
         if worker is not None:
             worker.send_signal(signal.SIGTERM)

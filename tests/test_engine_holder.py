@@ -113,6 +113,7 @@ def test_waiting_shards_enter_by_rank_then_job_then_index():
     assert entered == [("a", 0), ("c", 5), ("b", 1), ("b", 2), ("a", 1), ("a", 2), ("a", 3)]
     assert not holder._waiting and not holder._job_arrivals
 
+
 def _wait(predicate, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -3,6 +3,8 @@ own results, and each stopping only its own requests. Real tiny model, real thre
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -179,8 +181,6 @@ assert loop.engine.has_unfinished_requests   # the interpreter exits while the l
 def test_the_process_exits_cleanly_while_the_loop_is_stepping(tiny_model_dir):
     # Without the loop closing at exit, its daemon thread is stopped inside a torch op:
     # SIGABRT about half the time (pytorch#38228); three runs.
-    import subprocess
-    import sys
     for delay in ("0.2", "0.45", "0.7"):
         proc = subprocess.run([sys.executable, "-c", EXIT_MID_STEP, str(tiny_model_dir), delay],
                               capture_output=True, text=True, timeout=120)
