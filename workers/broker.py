@@ -104,10 +104,11 @@ def backlog(settings: Settings, queue: str) -> int:
 # PRESENCE_EVERY_S); a worker silent for PRESENCE_TTL_S counts as gone.
 PRESENCE_EVERY_S = 10.0
 PRESENCE_TTL_S = 35.0
+_PRESENCE_SUFFIX = ":workers"   # a key's set is named after its queue: `<queue>.<key>:workers`
 
 
 def _presence_key(settings: Settings, engine_key: str) -> str:
-    return f"{settings.queue_for(engine_key)}:workers"
+    return settings.queue_for(engine_key) + _PRESENCE_SUFFIX
 
 
 def announce(settings: Settings, engine_keys: Iterable[str], node: str, *, gone: bool = False) -> None:
@@ -140,7 +141,7 @@ def live_workers(settings: Settings, engine_key: str) -> list[str]:
 def served_engine_keys(settings: Settings) -> list[str]:
     """The engine keys that some live worker of this PIPELINE_QUEUE serves (its presence
     sets, found by name: `<queue>.<key>:workers`)."""
-    prefix, suffix = f"{settings.queue}.", ":workers"
+    prefix, suffix = settings.queue_for(""), _PRESENCE_SUFFIX   # _presence_key's name around the key
     client = _client(settings)
     try:
         keys = set()
