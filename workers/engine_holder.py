@@ -59,12 +59,11 @@ class EngineHolder:
         self._loop = None
         self._users = 0
         self._idle_since = time.monotonic()
-        # room's waiting shards as sorted (rank, job's arrival, shard index, arrival) tickets:
-        # only the first may enter.
-        self._waiting: list[tuple[int, int, int, int]] = []
+        # room's waiting shards as sorted (rank, job's arrival, shard index, arrival, job id)
+        # tickets: only the first may enter.
+        self._waiting: list[tuple] = []
         self._waiting_lock = threading.Lock()
         self._arrivals = itertools.count()
-        self._job_arrivals: dict[str, list[int]] = {}   # job id -> [its arrival, its waiting tickets]
         self._settling: Callable[[], bool] | None = None   # true until the last shard let in has started
         self._building = False
 
@@ -152,33 +151,24 @@ class EngineHolder:
                         break
                 self._wait(poll_s, while_waiting)
         finally:
-            self._leave_line(ticket, shard)
+            with self._waiting_lock:
+                self._waiting.remove(ticket)
         try:
             yield
         finally:
             left.set()
 
-    def _line_up(self, rank: int, shard: tuple[str, int] | None) -> tuple[int, int, int, int]:
-        """This shard's place among the waiting ones: (rank, its job's arrival, index, arrival)."""
+    def _line_up(self, rank: int, shard: tuple[str, int] | None) -> tuple:
+        """This shard's place among the waiting ones: (rank, its job's arrival, index, arrival,
+        job id). Its job's arrival is that of the job's shards already waiting, if any (once
+        none waits, a later shard of the job lines up as a new arrival)."""
+        job, index = shard if shard is not None else (None, 0)
         with self._waiting_lock:
             arrival = next(self._arrivals)
-            if shard is None:
-                ticket = (rank, arrival, 0, arrival)
-            else:
-                job = self._job_arrivals.setdefault(shard[0], [arrival, 0])
-                job[1] += 1
-                ticket = (rank, job[0], shard[1], arrival)
+            job_arrival = next((t[1] for t in self._waiting if job is not None and t[4] == job), arrival)
+            ticket = (rank, job_arrival, index, arrival, job)   # arrival is unique: job ids are never compared
             bisect.insort(self._waiting, ticket)
         return ticket
-
-    def _leave_line(self, ticket: tuple[int, int, int, int], shard: tuple[str, int] | None) -> None:
-        with self._waiting_lock:
-            self._waiting.remove(ticket)
-            if shard is not None:
-                job = self._job_arrivals[shard[0]]
-                job[1] -= 1
-                if job[1] == 0:   # a later shard of this job lines up as a new arrival
-                    del self._job_arrivals[shard[0]]
 
     def _may_enter(self) -> bool:
         """Whether the last shard let in has settled and the batch has room."""
