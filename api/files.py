@@ -2,19 +2,23 @@
 list, download and delete a key's files."""
 from __future__ import annotations
 
+import os
+import time
 from typing import Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import caller
 from api.errors import ApiError, not_found
 from api.uploads import receive_upload
 from jobs import ledger, spec
-from jobs.paths import check_file_id, file_path, new_file_id
+from jobs.paths import check_file_id, file_path, files_dir, new_file_id
 
 router = APIRouter()
+_CHUNK = 1 << 16
 
 
 def file_object(row: ledger.File) -> dict:
@@ -39,11 +43,8 @@ def owned_file(request: Request, key: ledger.ApiKey, file_id: str) -> ledger.Fil
 
 def invalid_input(name: str, validation: spec.Validation, what: str) -> ApiError:
     """The line-numbered errors of a file, as `pipeline submit` prints them, in one error object."""
-    lines = [f"{name}: {validation.num_errors} error(s), {what}:", *map(str, validation.errors)]
-    if validation.num_errors > len(validation.errors):
-        lines.append(f"... and {validation.num_errors - len(validation.errors)} more")
     first = validation.errors[0] if validation.errors else None
-    return ApiError(400, "\n".join(lines), code="invalid_file", param=f"line {first.line}" if first and first.line
+    return ApiError(400, validation.describe(name, what), code="invalid_file", param=f"line {first.line}" if first and first.line
                     else "file")
 
 
@@ -83,6 +84,39 @@ def list_files(request: Request, key: ledger.ApiKey = Depends(caller), purpose: 
     return page([file_object(row) for row in rows[:limit]], has_more=len(rows) > limit)
 
 
+LEFTOVER_GRACE_S = 3600.0
+
+
+def sweep_leftovers(Session, root, grace_s: float = LEFTOVER_GRACE_S) -> int:
+    """Remove what a server killed mid-request left under <root>/files, older than grace_s:
+    hidden temporary uploads (jobs.atomic's `.<name>.<hex>.tmp`) and published files that
+    no ledger row names (killed between writing and registering). Returns the number removed."""
+    directory = files_dir(root)
+    if not directory.is_dir():
+        return 0
+    cutoff = time.time() - grace_s
+    removed = 0
+    for path in directory.iterdir():
+        try:
+            if not path.is_file() or path.stat().st_mtime > cutoff:
+                continue
+        except FileNotFoundError:
+            continue
+        if path.name.startswith(".") and path.name.endswith(".tmp"):
+            stale = True
+        else:
+            try:
+                file_id = check_file_id(path.name.removesuffix(".jsonl"))
+            except ValueError:
+                continue   # not ours: leave it
+            with Session() as s:
+                stale = ledger.get_file(s, file_id) is None
+        if stale:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def page(data: list[dict], *, has_more: bool) -> dict:
     """A cursor page (the openai client asks for the next one with after=last_id)."""
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -97,9 +131,26 @@ def retrieve_file(request: Request, file_id: str, key: ledger.ApiKey = Depends(c
 @router.get("/files/{file_id}/content")
 def file_content(request: Request, file_id: str, key: ledger.ApiKey = Depends(caller)):
     row = owned_file(request, key, file_id)
-    # FileResponse streams the file in chunks: a large output file is never held in memory.
-    return FileResponse(file_path(request.app.state.config.settings.data_dir, row.id),
-                        media_type="application/octet-stream", filename=row.filename)
+    # Opened before the response starts, and the handle kept: a file deleted meanwhile is
+    # either served whole from it (POSIX keeps an unlinked open file) or not found, never cut.
+    try:
+        f = open(file_path(request.app.state.config.settings.data_dir, row.id), "rb")
+    except FileNotFoundError:
+        raise not_found("File", file_id) from None
+    size = os.fstat(f.fileno()).st_size
+
+    def chunks():   # streamed: a large output file is never held in memory
+        with f:
+            while data := f.read(_CHUNK):
+                yield data
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers={
+        "Content-Length": str(size), "Content-Disposition": _attachment(row.filename)})
+
+
+def _attachment(filename: str) -> str:
+    """The Content-Disposition of a download, as Starlette's FileResponse writes it."""
+    quoted = quote(filename)
+    return f'attachment; filename="{filename}"' if quoted == filename else f"attachment; filename*=utf-8''{quoted}"
 
 
 @router.delete("/files/{file_id}")

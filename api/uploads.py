@@ -5,6 +5,12 @@ writes the file part through jobs.atomic.atomic_write to its final path (a hidde
 name beside it until the upload is complete), so nothing is ever written outside the data
 root, and stops as soon as the file part passes the limit (the partial file is removed). A
 request whose Content-Length already says it is too big is refused before a byte is read.
+
+Strict, so that what is registered is exactly what the client sent: the form must end with
+its closing boundary (a body cut short, by the client or by a Content-Length shorter than
+what was sent, is refused: python_multipart's finalize() does not check this itself), it
+has exactly one file part, and everything else in it (the other fields, part headers,
+boundaries) is limited in size and count, whatever the transfer encoding.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from api.errors import ApiError
 from jobs.atomic import atomic_write
 
-_MAX_FIELD_BYTES = 64 * 1024   # the form's other fields (purpose) are short words
+_MAX_FIELD_BYTES = 64 * 1024   # the form's other fields (purpose) are short words: all of them together
+_MAX_PARTS = 16
 _FORM_OVERHEAD = 64 * 1024     # boundaries and part headers around the file
 
 
@@ -49,11 +56,15 @@ async def receive_upload(request: Request, dest: Path, max_bytes: int, file_fiel
     if length and length.isdigit() and int(length) > max_bytes + _FORM_OVERHEAD:
         raise too_big(max_bytes)
     upload = Upload()
+    form = _Form()
     with atomic_write(dest, "wb") as out:
         part = _Part()
 
         def on_part_begin():
             part.reset()
+            form.parts += 1
+            if form.parts > _MAX_PARTS:
+                raise ApiError(400, f"the form has more than {_MAX_PARTS} parts", param="file")
 
         def on_header_field(data, start, end):
             part.header_name += data[start:end]
@@ -69,6 +80,9 @@ async def receive_upload(request: Request, dest: Path, max_bytes: int, file_fiel
             _, disposition = parse_options_header(part.headers.get("content-disposition", b""))
             part.name = disposition.get(b"name", b"").decode("utf-8", "replace")
             if part.name == file_field:
+                if upload.filename is not None:
+                    raise ApiError(400, f"the form has more than one {file_field!r} part; upload one file a request",
+                                   param=file_field)
                 part.is_file = True
                 upload.filename = disposition.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
 
@@ -81,21 +95,34 @@ async def receive_upload(request: Request, dest: Path, max_bytes: int, file_fiel
                 out.write(chunk)
             else:
                 part.value += chunk
-                if len(part.value) > _MAX_FIELD_BYTES:
-                    raise ApiError(400, f"form field {part.name!r} is too long")
+                form.field_bytes += len(chunk)
+                if form.field_bytes > _MAX_FIELD_BYTES:
+                    raise ApiError(413, f"the form's fields other than {file_field!r} are larger than "
+                                        f"{_MAX_FIELD_BYTES} bytes", code="request_too_large")
 
         def on_part_end():
             if not part.is_file and part.name:
                 upload.fields[part.name] = part.value.decode("utf-8", "replace")
 
+        def on_end():
+            form.complete = True
+
         parser = MultipartParser(params[b"boundary"], {
             "on_part_begin": on_part_begin, "on_header_field": on_header_field,
             "on_header_value": on_header_value, "on_header_end": on_header_end,
-            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end})
+            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end,
+            "on_end": on_end})   # (no max_size: python_multipart drops what is past it silently)
         try:
             async for chunk in request.stream():
+                form.body_bytes += len(chunk)
+                if form.body_bytes > max_bytes + _FORM_OVERHEAD + _MAX_FIELD_BYTES:
+                    raise _TooBig
                 parser.write(chunk)
             parser.finalize()
+            if not form.complete:
+                raise ApiError(400, "the upload is incomplete: the form ended before its closing boundary (the "
+                                    "body was cut short, or is shorter than its Content-Length); nothing was kept",
+                               code="incomplete_upload", param="file")
         except _TooBig:
             raise too_big(max_bytes) from None   # atomic_write removes what was written
         except ApiError:
@@ -105,6 +132,14 @@ async def receive_upload(request: Request, dest: Path, max_bytes: int, file_fiel
         if upload.filename is None:
             raise ApiError(400, f"the upload has no {file_field!r} part", param=file_field)
     return upload
+
+
+@dataclass
+class _Form:
+    parts: int = 0
+    field_bytes: int = 0
+    body_bytes: int = 0
+    complete: bool = False   # the closing boundary was seen
 
 
 class _Part:

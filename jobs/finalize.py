@@ -2,7 +2,9 @@
 
 An expiring job (its completion window passed) ends "expired": first every shard that
 never ran gets one error row per request (jobs.scheduling.expired_error), so each
-request id appears exactly once in the results.
+request id appears exactly once in the results. A job whose requests cannot all get a
+row (a shard failed where its input could not be read, and it cannot be read here
+either) ends "failed", never "completed".
 
 `finalize_job` is called after every shard commit (and after a cancel); only the caller
 that wins ledger.try_finalize does the work. `refinalize_job` finishes a job whose
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import ledger
+from jobs import ledger, result_row
 from jobs.atomic import replace_durably
 from jobs.ledger import JobStatus, ShardStatus
 from jobs.paths import JobPaths
@@ -21,7 +23,6 @@ from jobs.results import write_shard_tmp
 from jobs.scheduling import expired_error
 from jobs.shards import read_shard
 from jobs.stats import compute_stats, write_stats
-from pipeline.request import FinishReason
 
 
 def finalize_job(Session: sessionmaker[Session], root, job_id: str) -> bool:
@@ -62,7 +63,13 @@ def abandon_job(Session: sessionmaker[Session], root, job_id: str, error: str) -
 
 
 def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
-    """Write the stats and the final status of a job whose finalization this caller won."""
+    """Write the stats and the final status of a job whose finalization this caller won.
+
+    No job ends completed (or cancelled, or expired) while a request that ran, or should
+    have, has no row: a shard that ended failed without results (given up, its input
+    unreadable where it ran) gets its error rows here when its input can be read; when it
+    cannot, the job ends failed with a message naming the cause.
+    """
     job_paths = JobPaths(root, job_id)
     with Session() as s:
         job = ledger.get_job(s, job_id)
@@ -70,7 +77,12 @@ def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
             status = JobStatus.CANCELLED
         elif job.status == JobStatus.EXPIRING:
             status = JobStatus.EXPIRED
-            _write_expired_rows(s, job_paths, job)
+        missing = _write_missing_rows(s, job_paths, job)
+        if missing:
+            status, error = JobStatus.FAILED, "; ".join(filter(None, (error, missing)))
+        if not job_paths.dir.is_dir():   # never write a stats file where the job's files are not
+            ledger.finish_job(s, job_id, status, None, error)
+            return
         try:
             wall = (ledger.utcnow() - (job.started_at or job.created_at)).total_seconds()
             stats = compute_stats(job_paths.results_dir, wall)
@@ -82,20 +94,43 @@ def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
         ledger.finish_job(s, job_id, status, stats, error)
 
 
-def _write_expired_rows(s, job_paths: JobPaths, job) -> None:
-    """Error rows for every shard of an expiring job that ended without results (it never
-    ran). Only the finalizer, which won try_finalize, writes them: no attempt can commit
-    any more, as every shard has ended."""
-    error = expired_error(job.completion_window)
+def _write_missing_rows(s, job_paths: JobPaths, job) -> str | None:
+    """Write the rows of the shards that ended without results and should have them; return
+    why some could not be written (None when every request that needs a row has one).
+
+    They are the shards of an expiring job that never ran (jobs.scheduling.expired_error
+    rows) and failed shards without a results file (their own error as the rows' error).
+    Cancelled shards of a cancelled job never ran and have no rows (retry runs them).
+    Only the finalizer, which won try_finalize, writes them: no attempt can commit any
+    more, as every shard has ended.
+    """
+    missing: list[str] = []
     for shard in ledger.get_shards(s, job.id):
         final = job_paths.result_shard(shard.index)
-        if shard.status != ShardStatus.CANCELLED or final.exists():
+        if final.exists():
             continue
-        rows = [{"id": spec.id, "output": "", "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
-                 "finish_reason": FinishReason.ERROR.value, "error": error, "queue_s": 0.0, "ttft_s": None,
-                 "latency_s": 0.0, "shard": shard.index, "attempt": shard.attempt}
-                for spec in read_shard(job_paths.input_shard(shard.index))]
+        if shard.status == ShardStatus.CANCELLED and job.status == JobStatus.EXPIRING:
+            error = expired_error(job.completion_window)
+        elif shard.status == ShardStatus.FAILED:
+            error = shard.error or "the shard failed"
+        elif shard.status == ShardStatus.COMPLETED:
+            missing.append(f"shard {shard.index}: its committed results {final} are missing")
+            continue
+        else:
+            continue
+        try:
+            specs = read_shard(job_paths.input_shard(shard.index))
+        except (OSError, ValueError) as e:
+            missing.append(f"shard {shard.index} ({shard.num_requests} request(s)) has no results: {error}"
+                           + ("" if str(e) in error else f"; its input cannot be read: {e}"))
+            continue
+        rows = [result_row.error_row(spec.id, error, shard.index, shard.attempt) for spec in specs]
         tmp = job_paths.tmp_result(shard.index, 0, by_reaper=True)   # attempt 0: no worker's name
         write_shard_tmp(rows, tmp)
         replace_durably(tmp, final)
-        ledger.count_expired_requests(s, job.id, shard.index, len(rows))
+        ledger.count_error_rows(s, job.id, shard.index, len(rows))
+    if not missing:
+        return None
+    lost = len(missing)
+    return (f"{lost} shard(s) ended without a row for each of their requests, so the job did not complete: "
+            + "; ".join(missing[:3]) + (f"; ... and {lost - 3} more" if lost > 3 else ""))

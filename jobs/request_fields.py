@@ -11,11 +11,15 @@ import math
 from dataclasses import MISSING, fields
 
 from pipeline.sampling_params import SamplingParams
+from pipeline.structured_output import KINDS as STRUCTURED_KINDS
+from pipeline.structured_output import check as check_structured
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # The roles of the OpenAI chat format; a chat template given another may render it as text or fail.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _OPENAI_INPUT_KEY = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+STRUCTURED_KEYS = ("response_format", "structured_outputs")
 
 
 class Bad(Exception):
@@ -41,7 +45,7 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     model = body.get("model")
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
-    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS)}
+    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS)}
     labels = {}
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
@@ -63,13 +67,58 @@ def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
 
 def sampling_settings(req: dict, labels: dict, problems: list[str]) -> dict:
     """Checked sampling settings, defaults for absent or null ones; errors use the input's names."""
-    out = {}
-    for key, default in SAMPLING_DEFAULTS.items():
+    out = dict(SAMPLING_DEFAULTS)
+    out["stop"] = []   # never share the default list
+    for key in SAMPLING_DEFAULTS:
         value = req.get(key)
-        out[key] = list(default) if isinstance(default, list) else default  # never share a default list
         if value is not None:
             out[key] = check(SAMPLING_CHECKS[key], labels.get(key, key), value, None, problems)
     return out
+
+
+def structured_output(req: dict, problems: list[str]) -> dict | None:
+    """The grammar the answer must follow (pipeline.structured_output's spec), from OpenAI's
+    response_format or vLLM's structured_outputs; None for free text. An invalid schema,
+    regex or grammar is a problem of the line (checked once per distinct spec)."""
+    given = [k for k in ("response_format", "structured_outputs") if req.get(k) is not None]
+    if len(given) > 1:
+        problems.append("give response_format or structured_outputs, not both")
+        return None
+    if not given:
+        return None
+    name = given[0]
+    spec = check(_response_format if name == "response_format" else _structured_outputs, name, req[name], None,
+                 problems)
+    if spec is not None and (problem := check_structured(spec)) is not None:
+        problems.append(f"{name}: {problem}")
+        return None
+    return spec
+
+
+def _response_format(name, v, _):
+    if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMATS:
+        raise Bad(f"{name} must be an object with type {', '.join(map(repr, RESPONSE_FORMATS))}, got {describe(v)}")
+    extra = sorted(v.keys() - {"type", "json_schema"})
+    if extra:
+        raise Bad(f"{name} has unsupported field {extra[0]!r}")
+    if v["type"] == "text":
+        return None
+    if v["type"] == "json_object":
+        return {"json_object": True}
+    js = v.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        raise Bad(f"{name}.json_schema must be an object with a schema object (and name, strict), "
+                  f"got {describe(js)}")
+    extra = sorted(js.keys() - {"name", "schema", "strict", "description"})
+    if extra:
+        raise Bad(f"{name}.json_schema has unsupported field {extra[0]!r}")
+    return {"json": js["schema"]}
+
+
+def _structured_outputs(name, v, _):
+    if not isinstance(v, dict) or len(v) != 1 or next(iter(v)) not in STRUCTURED_KINDS:
+        raise Bad(f"{name} must be an object with exactly one of {', '.join(STRUCTURED_KINDS)}, got {describe(v)}")
+    return dict(v)
 
 
 def request_timeout(req: dict, problems: list[str]) -> float | None:
@@ -101,9 +150,13 @@ def _float_in(ok, allowed: str):
     def check(name, v, _):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise Bad(f"{name} must be a number {allowed}, got {describe(v)}")
-        if not math.isfinite(v) or not ok(v):
-            raise Bad(f"{name} must be a number {allowed}, got {v}")
-        return float(v)
+        try:
+            x = float(v)   # a JSON integer of hundreds of digits overflows here
+        except OverflowError:
+            raise Bad(f"{name} must be a number {allowed}, got an integer of {len(str(v))} digits") from None
+        if not math.isfinite(x) or not ok(x):
+            raise Bad(f"{name} must be a number {allowed}, got {describe(v)}")
+        return x
     return check
 
 
@@ -187,7 +240,17 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not allowed (numbers must be finite)")
 
 
-DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a key given twice (a plain dict would keep the last silently)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {duplicate!r} appears twice in one object")
+    return obj
+
+
+DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_object)
 
 
 def too_deep(value, limit: int) -> bool:
@@ -234,4 +297,4 @@ SAMPLING_CHECKS = {
 SAMPLING_DEFAULTS = {f.name: f.default_factory() if f.default is MISSING else f.default
                      for f in fields(SamplingParams) if f.name in SAMPLING_CHECKS}
 # Body fields of an OpenAI batch line we honour; top_k and the rest are extensions.
-_OPENAI_BODY_KEYS = {"model", "n", "max_completion_tokens", *SAMPLING_DEFAULTS}
+_OPENAI_BODY_KEYS = {"model", "n", "max_completion_tokens", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS}

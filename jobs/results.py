@@ -1,4 +1,4 @@
-"""Result shards as Parquet (schema in docs/contracts.md).
+"""Result shards as Parquet (the row and its schema: jobs.result_row).
 
 A job's results directory is a Parquet dataset of committed ``shard-*.parquet`` files;
 attempts in progress live in ``results/_tmp`` and are never read.
@@ -14,24 +14,13 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from jobs.atomic import atomic_write, write_durably
-from jobs.paths import result_shard_files
+from jobs import result_row
+from jobs.paths import JobPaths, result_shard_files
+from jobs.result_row import RESULT_COLUMNS
+from jobs.shards import read_shard
 
-RESULT_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("output", pa.string()),
-    ("prompt_tokens", pa.int32()),
-    ("output_tokens", pa.int32()),
-    ("cached_tokens", pa.int32()),   # prompt tokens served from the prefix cache (null: older results)
-    ("draft_tokens", pa.int32()),    # speculative decoding: tokens drafted (null: older results)
-    ("accepted_tokens", pa.int32()), # ... and accepted by verification
-    ("finish_reason", pa.string()),  # a pipeline.request.FinishReason value
-    ("error", pa.string()),
-    ("queue_s", pa.float64()),
-    ("ttft_s", pa.float64()),
-    ("latency_s", pa.float64()),
-    ("shard", pa.int32()),
-    ("attempt", pa.int32()),
-])
+RESULT_SCHEMA = pa.schema([(name, getattr(pa, arrow_type)()) for name, arrow_type in RESULT_COLUMNS])
+
 
 
 def write_shard_tmp(rows: list[dict], tmp_path: str | os.PathLike) -> None:
@@ -65,6 +54,22 @@ def iter_result_rows(results_dir: str | os.PathLike, columns: list[str] | None =
         return
     for batch in dataset.to_batches(columns=columns):
         yield from batch.to_pylist()
+
+
+def iter_job_rows(job_paths: JobPaths, num_shards: int) -> Iterator[dict]:
+    """A row for every request of a job, in input order: each shard's committed rows, or for a
+    shard that never ran (one a cancel or an expiry left) a cancelled row per request of its
+    input, so that exports name every request. A shard whose input is gone too is skipped."""
+    for index in range(num_shards):
+        final = job_paths.result_shard(index)
+        if final.exists():
+            yield from pq.read_table(final, schema=RESULT_SCHEMA).to_pylist()
+            continue
+        try:
+            specs = read_shard(job_paths.input_shard(index))
+        except OSError:
+            continue
+        yield from (result_row.cancelled_row(spec.id, 0.0, index, 0) for spec in specs)
 
 
 def export_jsonl(results_dir: str | os.PathLike, out_path: str | os.PathLike, *, overwrite: bool = False) -> int:

@@ -15,7 +15,9 @@ DEFAULT_PRIORITY = "normal"
 # The error code (OpenAI's) of a request a job's completion window left without an answer.
 EXPIRED_CODE = "batch_expired"
 
-_WINDOW = re.compile(r"\s*(\d+)\s*([smhd])\s*")
+_WINDOW = re.compile(r"([0-9]{1,12})([smhd])")   # ASCII digits, no spaces: stored and shown as given
+# The longest window a job may ask for (OpenAI's batches allow 24h; ours run for longer).
+MAX_WINDOW = timedelta(days=30)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -26,12 +28,17 @@ def priority_rank(priority: str | None) -> int:
 
 def parse_window(text: str) -> timedelta:
     """A completion window such as "24h", "8h", "30m", "20s" (or "2d") as a timedelta;
-    ValueError for anything else, or for a window of zero."""
-    m = _WINDOW.fullmatch(text or "")
+    ValueError for anything else: a window of zero, one longer than MAX_WINDOW, spaces,
+    digits other than ASCII 0-9. The CLI and the HTTP API both use this one parser."""
+    m = _WINDOW.fullmatch(text) if isinstance(text, str) else None
     if not m or int(m[1]) == 0:
         raise ValueError(f"a completion window is a positive whole number of seconds, minutes, hours or "
                          f"days, such as 24h, 8h, 30m or 20s; got {text!r}")
-    return timedelta(seconds=int(m[1]) * _UNIT_S[m[2]])
+    seconds = int(m[1]) * _UNIT_S[m[2]]
+    if seconds > MAX_WINDOW.total_seconds():
+        raise ValueError(f"a completion window is at most {MAX_WINDOW.days} days "
+                         f"({int(MAX_WINDOW.total_seconds() // 3600)}h); got {text!r}")
+    return timedelta(seconds=seconds)
 
 
 def expired_error(window: str | None) -> str:

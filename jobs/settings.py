@@ -8,6 +8,7 @@ values only (a broker URL is a string), so this module knows nothing of Celery.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -60,13 +61,18 @@ class Settings:
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
         self.served_engine_options()   # a malformed PIPELINE_WORKER_ENGINES fails here, at start-up
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.metadata['env']} must be a finite number, got {value}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"PIPELINE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 
-    def queue_for(self, engine_key: str) -> str:
+    def queue_for(self, engine_key: str, prefix: str | None = None) -> str:
         """The broker queue of one engine key (pipeline.engine_key): `<queue>.<key>`, e.g.
-        `pipeline.smollm2-135m-instruct-1a2b3c4d`. Only workers serving that engine consume it."""
-        return f"{self.queue}.{engine_key}"
+        `pipeline.smollm2-135m-instruct-1a2b3c4d`. Only workers serving that engine consume it.
+        prefix: a job's own PIPELINE_QUEUE (the one it was submitted on) instead of ours."""
+        return f"{prefix or self.queue}.{engine_key}"
 
     def served_engine_options(self) -> list[dict]:
         """worker_engines as a list of engine-option dicts: [{}] (the default engine) if unset."""

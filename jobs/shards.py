@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, input_shard_name
-from jobs.spec import InvalidInput, LineError, Limits, RequestSpec, Validation, iter_lines, validate
+from jobs.spec import InvalidInput, Limits, RequestSpec, Scan, Validation
+
+
+_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 
 
 def write_shards(lines: Iterable[str], shard_dir: str | Path, shard_size: int) -> list[int]:
@@ -36,24 +41,28 @@ def write_shards(lines: Iterable[str], shard_dir: str | Path, shard_size: int) -
 
 
 def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Limits = Limits(), *,
-                       model: str | None = None) -> list[int]:
-    """Validate the input file `path` (against the job's `model`), then shard it; the sizes.
+                       model: str | None = None) -> tuple[Validation, list[int]]:
+    """Validate the input file `path` (against the job's `model`) and shard it, in one
+    streaming pass; returns the validation and the shard sizes.
 
-    Raises InvalidInput (writing nothing) if the file has any error.
+    The shards are written into a hidden folder beside shard_dir, renamed to shard_dir
+    only once the whole file is valid: InvalidInput (the file has an error) or any other
+    failure leaves no shard_dir and no folder.
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    validation = validate(path, limits, model=model)
-    if not validation.ok:
-        raise InvalidInput(validation)
-
-    def lines():
-        for _, item in iter_lines(path, limits, model=model):
-            if isinstance(item, LineError):  # the file changed after validation
-                raise InvalidInput(Validation(0, [item], 1, validation.input_format, validation.endpoint))
-            yield json.dumps(item.to_dict(), ensure_ascii=False)
-
-    return write_shards(lines(), shard_dir, shard_size)
+    shard_dir = Path(shard_dir)
+    shard_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{shard_dir.name}.", suffix=".partial", dir=shard_dir.parent))
+    try:
+        scan = Scan(path, limits, model=model)
+        sizes = write_shards((_encode(spec.to_dict()) for spec in scan), partial, shard_size)
+        if not scan.validation.ok:
+            raise InvalidInput(scan.validation)
+        partial.rename(shard_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return scan.validation, sizes
 
 
 def write_retry_shards(old: JobPaths, num_shards: int, wanted: Callable[[str], bool], shard_dir: str | Path,

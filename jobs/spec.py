@@ -22,13 +22,13 @@ from typing import BinaryIO, Iterator
 
 from jobs.atomic import describe_file_type
 from jobs.request_fields import (
-    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, Bad, check, describe, openai_body, request_inputs, request_timeout, sampling_settings, string,
-    too_deep,
+    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, Bad, check, describe, openai_body, request_inputs,
+    request_timeout, sampling_settings, string, structured_output, too_deep,
 )
 
 _BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
-_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", *SAMPLING_DEFAULTS}
+_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -72,12 +72,13 @@ class RequestSpec:
     ignore_eos: bool
     model: str | None = None
     timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
+    structured_output: dict | None = None   # the grammar of the answer (pipeline.structured_output)
 
     def to_dict(self) -> dict:
-        """The shard-file line of docs/contracts.md; `model` and `timeout_s` only when the
-        input gave them."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        for optional in ("model", "timeout_s"):
+        """The shard-file line of docs/contracts.md; `model`, `timeout_s` and
+        `structured_output` only when the input gave them."""
+        d = {name: getattr(self, name) for name in _SPEC_FIELDS}
+        for optional in _OPTIONAL_FIELDS:
             if d[optional] is None:
                 del d[optional]
         return d
@@ -85,6 +86,10 @@ class RequestSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "RequestSpec":
         return cls(**d)
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
+_OPTIONAL_FIELDS = ("model", "timeout_s", "structured_output")
 
 
 @dataclass
@@ -100,17 +105,26 @@ class Validation:
     def ok(self) -> bool:
         return self.num_errors == 0
 
+    def report(self, heading: str, shown: int | None = None) -> str:
+        """The errors as the CLI prints them and the HTTP API returns them: the heading
+        line, then one line each (the first `shown`; all that were kept by default)."""
+        errors = self.errors if shown is None else self.errors[:shown]
+        lines = [heading, *map(str, errors)]
+        if self.num_errors > len(errors):
+            lines.append(f"... and {self.num_errors - len(errors)} more")
+        return "\n".join(lines)
+
+    def describe(self, name: str, what: str) -> str:
+        """Every kept error under `<name>: N error(s), <what>:` (what: what was not done)."""
+        return self.report(f"{name}: {self.num_errors} error(s), {what}:")
+
 
 class InvalidInput(Exception):
     """The input file has errors; `.validation` has them all (up to Limits.max_errors_kept)."""
 
     def __init__(self, validation: Validation, shown: int = 20):
         self.validation = validation
-        lines = [f"{validation.num_errors} error(s) in the input file:"]
-        lines += [str(e) for e in validation.errors[:shown]]
-        if validation.num_errors > shown:
-            lines.append(f"... and {validation.num_errors - shown} more")
-        super().__init__("\n".join(lines))
+        super().__init__(validation.report(f"{validation.num_errors} error(s) in the input file:", shown))
 
 
 def iter_lines(path, limits: Limits = Limits(), *, model: str | None = None,
@@ -122,18 +136,41 @@ def iter_lines(path, limits: Limits = Limits(), *, model: str | None = None,
     return iter(_Reader(path, limits, model))
 
 
+class Scan:
+    """One streaming pass that validates a whole file and hands on its requests.
+
+    Iterating yields each valid request in input order while the file has had no error
+    (after the first bad line nothing more is yielded, but every line is still checked);
+    once iteration ends, `validation` holds the outcome. A job's shards are written from
+    the same pass that validates the file (jobs.shards.write_input_shards).
+    """
+
+    def __init__(self, path, limits: Limits = Limits(), *, model: str | None = None):
+        self.limits = limits
+        self._reader = _Reader(path, limits, model)
+        self.validation: Validation | None = None
+
+    def __iter__(self) -> Iterator[RequestSpec]:
+        num_requests, errors, num_errors = 0, [], 0
+        for _, item in self._reader:
+            if isinstance(item, RequestSpec):
+                num_requests += 1
+                if not num_errors:
+                    yield item
+                continue
+            num_errors += 1
+            if len(errors) < self.limits.max_errors_kept:
+                errors.append(item)
+        self.validation = Validation(num_requests, errors, num_errors, self._reader.input_format or "pipeline",
+                                     self._reader.endpoint)
+
+
 def validate(path, limits: Limits = Limits(), *, model: str | None = None) -> Validation:
     """Validate the whole file in one streaming pass; with `model`, the job's model, lines naming another are refused."""
-    reader = _Reader(path, limits, model)
-    num_requests, errors, num_errors = 0, [], 0
-    for _, item in reader:
-        if isinstance(item, RequestSpec):
-            num_requests += 1
-            continue
-        num_errors += 1
-        if len(errors) < limits.max_errors_kept:
-            errors.append(item)
-    return Validation(num_requests, errors, num_errors, reader.input_format or "pipeline", reader.endpoint)
+    scan = Scan(path, limits, model=model)
+    for _ in scan:
+        pass
+    return scan.validation
 
 
 def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
@@ -233,6 +270,7 @@ class _Reader:
         inputs = request_inputs(req, self.limits.max_prompt_chars, problems)
         sampling = sampling_settings(req, labels, problems)
         timeout_s = request_timeout(req, problems)
+        structured = structured_output(req, problems)
         if model is not None and self.job_model is not None and model not in _names_of(self.job_model):
             problems.append(f"model {model!r} is not the job's model {self.job_model!r}; "
                             "a job runs one model (choose it with --model, or leave body.model out)")
@@ -240,7 +278,8 @@ class _Reader:
             self._claim(number, rid, problems)
         if problems:
             raise Bad("; ".join(problems))
-        return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s)
+        return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s,
+                           structured_output=structured)
 
     def _parse(self, number: int, raw: bytes) -> dict:
         if number == 1 and raw.startswith(_BOM):
@@ -254,6 +293,9 @@ class _Reader:
         except RecursionError:
             raise Bad(f"the JSON is nested too deeply (the limit is {self.limits.max_depth} levels)") from None
         except json.JSONDecodeError as e:
+            if "\r" in text:
+                raise Bad("invalid JSON: the line holds a carriage return (\\r) not followed by a newline; the "
+                          "file's lines seem to end with CR alone (old Mac style): end them with \\n or \\r\\n") from None
             raise Bad(f"invalid JSON: {e.msg} at column {e.colno}") from None
         except ValueError as e:  # NaN/Infinity, or an integer with too many digits
             raise Bad(f"invalid JSON: {e}") from None

@@ -9,13 +9,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobs.atomic import atomic_write
+from jobs.result_row import SUMMED_COLUMNS
 from jobs.results import read_results
 from pipeline.request import FinishReason
 
 _SUCCESSES = pa.array([reason.value for reason in FinishReason if reason.is_success])
 
-_INT_KEYS = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens",
-             "cached_tokens", "draft_tokens", "accepted_tokens")
+_INT_KEYS = ("total_requests", "completed_requests", "failed_requests", *SUMMED_COLUMNS,
+             "constrained_requests", "constrained_valid")
 _FLOAT_KEYS = ("prefix_hit_rate", "acceptance_rate", "wall_seconds", "output_tok_s", "total_tok_s",
                "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95")
 STATS_SCHEMA = pa.schema([("job_id", pa.string())]
@@ -32,17 +33,15 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     do not skew them; None when there are none. prefix_hit_rate is the share of prompt
     tokens served from the engine's prefix cache (None without prompt tokens). acceptance_rate
     is the share of speculative draft tokens accepted (None when nothing was drafted).
-    Throughputs are None unless wall_seconds > 0.
+    constrained_requests counts the structured-output answers, constrained_valid those
+    complete under their grammar. Throughputs are None unless wall_seconds > 0.
     """
-    table = read_results(results_dir, columns=[
-        "prompt_tokens", "output_tokens", "cached_tokens", "draft_tokens", "accepted_tokens",
-        "finish_reason", "ttft_s", "latency_s"])
+    table = read_results(results_dir, columns=[*SUMMED_COLUMNS, "finish_reason", "ttft_s", "latency_s", "valid"])
     reason = table["finish_reason"]
     ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
-    prompt_tokens = _sum(table["prompt_tokens"])
-    output_tokens = _sum(table["output_tokens"])
-    cached_tokens = _sum(table["cached_tokens"])
-    draft_tokens, accepted_tokens = _sum(table["draft_tokens"]), _sum(table["accepted_tokens"])
+    sums = {name: _sum(table[name]) for name in SUMMED_COLUMNS}
+    prompt_tokens, output_tokens = sums["prompt_tokens"], sums["output_tokens"]
+    cached_tokens, draft_tokens, accepted_tokens = sums["cached_tokens"], sums["draft_tokens"], sums["accepted_tokens"]
     latency = _percentiles(table["latency_s"].filter(ok), (50, 95, 99))
     ttft = _percentiles(table["ttft_s"].filter(ok), (50, 95))
     return {
@@ -50,12 +49,10 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
         "completed_requests": pc.sum(ok).as_py() or 0,
         "failed_requests": pc.sum(pc.is_in(reason, pa.array([r.value for r in FinishReason if r.is_failure])))
                            .as_py() or 0,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "cached_tokens": cached_tokens,
+        **sums,
+        "constrained_requests": pc.count(table["valid"]).as_py() or 0,   # nulls (free text) not counted
+        "constrained_valid": pc.sum(table["valid"]).as_py() or 0,
         "prefix_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted_tokens,
         "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
         "wall_seconds": float(wall_seconds),
         "output_tok_s": _per_second(output_tokens, wall_seconds),

@@ -7,6 +7,7 @@ Standard input (`create_job_from_stream`) is read once, into the job's own copy.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import BinaryIO
@@ -29,8 +30,9 @@ def create_job_from_file(
     completion_window: str | None = None, api_key_id: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
     """Validate `path`, shard it under the data root and insert a queued job (owned by
-    api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s and
-    max_queued_requests (see _create_job).
+    api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s,
+    max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on) and endpoint (the
+    url every OpenAI line must have, else EndpointMismatch; see _create_job).
 
     Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
@@ -76,18 +78,17 @@ def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20
 def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
                 limits: spec.Limits, metadata: dict | None, completion_window: str | None = None,
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
-                request_timeout_s: float | None = None,
-                max_queued_requests: int | None = None) -> tuple[str, list[int]]:
+                request_timeout_s: float | None = None, max_queued_requests: int | None = None,
+                queue: str | None = None, endpoint: str | None = None) -> tuple[str, list[int]]:
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    # write_input_shards validates too, but it does not report the format and endpoint the job needs.
-    validation = spec.validate(path, limits, model=model)
-    if not validation.ok:
-        raise spec.InvalidInput(validation)
-    check_capacity(Session, validation.num_requests, max_queued_requests)
     job_paths = JobPaths(root, job_id)
     try:
-        shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)
+        # One pass validates the file and writes its shards; a bad file leaves none.
+        validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)
+        if endpoint is not None and validation.endpoint not in (None, endpoint):
+            raise EndpointMismatch(validation.endpoint, endpoint)
+        check_capacity(Session, validation.num_requests, max_queued_requests)
         with Session() as s:
             ledger.create_job(
                 s, job_id=job_id, model=model, engine_options=engine_options,
@@ -96,11 +97,27 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 input_path=str(Path(path).resolve()), results_path=str(job_paths.results_dir),
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
                 completion_window=completion_window, api_key_id=api_key_id, priority=priority,
-                request_timeout_s=request_timeout_s)
+                request_timeout_s=request_timeout_s, queue=queue)
     except BaseException:
-        shutil.rmtree(job_paths.dir, ignore_errors=True)
+        _remove_unmade(job_paths)
         raise
     return job_id, shard_sizes
+
+
+def _remove_unmade(job_paths: JobPaths) -> None:
+    """Remove a job that was never made: its directory, and <root>/jobs if that is empty now
+    (the first job of a data root), so a refused file leaves the data root as it was."""
+    shutil.rmtree(job_paths.dir, ignore_errors=True)
+    with contextlib.suppress(OSError):   # not empty: other jobs live there
+        job_paths.dir.parent.rmdir()
+
+
+class EndpointMismatch(ValueError):
+    """The file's lines are for another endpoint than the batch asks for (`pipeline serve`)."""
+
+    def __init__(self, found: str, wanted: str):
+        self.found, self.wanted = found, wanted
+        super().__init__(f"the lines are for {found}, not {wanted}")
 
 
 class OverCapacity(RuntimeError):
@@ -130,7 +147,7 @@ class NothingToRetry(ValueError):
 
 def create_retry_job(
     Session: sessionmaker[Session], root, job_id: str, *, shard_size: int | None = None, only_failed: bool = False,
-    completion_window: str | None = None, priority: str | None = None,
+    completion_window: str | None = None, priority: str | None = None, queue: str | None = None,
 ) -> tuple[str, list[int]]:
     """A new queued job with the requests of the ended job `job_id` that have no answer:
     an error row, a cancelled row, or no row at all (never run: a cancelled or failed
@@ -141,7 +158,8 @@ def create_retry_job(
     The new job has the same ids, the same normalised lines (so the same parameters)
     read from the input shards, the same model and engine options, and metadata
     {"retry_of": job_id}, and the old job's priority, request timeout and completion window
-    (a new window from now) unless priority or completion_window are given. Returns (new job id, requests per shard). Raises ValueError if
+    (a new window from now) unless priority or completion_window are given; queue: the
+    PIPELINE_QUEUE prefix the new job is sent on (None: run in-process). Returns (new job id, requests per shard). Raises ValueError if
     job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
     to retry. All or nothing, like create_job_from_file.
     """
@@ -190,7 +208,7 @@ def create_retry_job(
                 input_format=old.input_format, endpoint=old.endpoint, input_path=old.input_path,
                 results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
                 completion_window=completion_window or old.completion_window, api_key_id=old.api_key_id,
-                priority=priority or old.priority, request_timeout_s=old.request_timeout_s,
+                priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         shutil.rmtree(new_paths.dir, ignore_errors=True)

@@ -39,6 +39,9 @@ def bundled_model_dir() -> Path:
 
 
 def _convert(gguf_dir: Path, target: Path) -> None:
+    from pipeline.model_dir import offline
+
+    offline()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -27,6 +27,7 @@ from pipeline.sampler import Sampler
 from pipeline.scheduler import Scheduler
 from pipeline.sequence import Sequence
 from pipeline.speculative import Speculator
+from pipeline.grammar_masks import StructuredOutputs
 
 
 class Engine:
@@ -68,6 +69,7 @@ class Engine:
             graphs.capture()
             self.runner.graphs = graphs
         self.sampler = Sampler(self.device)
+        self.structured = StructuredOutputs(self.tokenizer, args.vocab_size, self.device)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
         self.num_steps = 0
 
@@ -157,6 +159,11 @@ class Engine:
                            timeout_s=request.timeout_s)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
             return _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
+        if request.params.structured_output is not None:
+            try:
+                seq.matcher = self.structured.matcher(request.params.structured_output)
+            except ValueError as e:
+                return _error_output(request.id, str(e), len(prompt_ids), arrival)
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_output(request.id, error, len(prompt_ids), arrival)
@@ -193,6 +200,7 @@ class Engine:
         self.num_steps += 1
         if not sampling:
             return timed_out
+        self._mask_constrained(logits, sampling)
         new_tokens = self.speculator.sample(logits, sampling)   # one each; up to 1 + K with drafts
         now = time.perf_counter()
         finished = timed_out
@@ -207,6 +215,17 @@ class Engine:
                 self.scheduler.discard_rejected(seq)
         return finished
 
+    def _mask_constrained(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
+        """Only the grammar's tokens stay possible in the rows of constrained sequences (each
+        has one logits row: they are never drafted)."""
+        rows, matchers, row = [], [], 0
+        for seq in sampling:
+            if seq.matcher is not None:
+                rows.append(row)
+                matchers.append(seq.matcher)
+            row += 1 + len(seq.draft_token_ids)
+        self.structured.mask(logits, rows, matchers)
+
     def _retire_timed_out(self) -> list[RequestOutput]:
         """End the sequences that ran past their timeout_s, keeping what they generated."""
         now = time.perf_counter()
@@ -214,6 +233,7 @@ class Engine:
         for seq in expired:
             seq.detokenizer.flush()
             seq.finish_reason, seq.finish_time = FinishReason.TIMEOUT, now
+            seq.valid = False if seq.matcher is not None else None
             self.scheduler.finish(seq)   # frees its blocks
         return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s") for seq in expired]
 
@@ -221,17 +241,26 @@ class Engine:
         """Record a sampled token; returns True when the sequence is finished."""
         seq.output_token_ids.append(token)
         params = seq.params
+        matcher = seq.matcher
+        if matcher is not None:
+            matcher.consume_token(token)   # the mask allowed it; an error shows in is_error()
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = FinishReason.STOP
         elif seq.detokenizer.add_token(token):
             seq.finish_reason = FinishReason.STOP
+            seq.valid = False if matcher is not None else None   # cut before a stop string
             return True  # the text is already cut before the stop string
+        elif matcher is not None and matcher.is_stopped():   # the grammar allows nothing more
+            seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
         else:
             return False
         if seq.detokenizer.flush():  # held-back text completed a stop string
             seq.finish_reason = FinishReason.STOP
+            seq.valid = False if matcher is not None else None
+        elif matcher is not None:
+            seq.valid = matcher.is_accepting() and not matcher.is_error()
         return True
 
 
@@ -242,7 +271,7 @@ def _output_of(seq: Sequence, error: str | None = None) -> RequestOutput:
         output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
         ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
-        draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens)
+        draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid)
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:

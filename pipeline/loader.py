@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from pipeline.model_dir import check_model_dir, offline
 from pipeline.models import model_class
 from pipeline.models.llama import LlamaArgs, RotaryEmbedding
-
-# Never reach for a model hub, even by accident through transformers.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -21,16 +17,11 @@ def resolve_model_dir(model: str | None) -> Path:
     if model is None:
         from pipeline.bundled import bundled_model_dir
         return bundled_model_dir()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r} is not a local Hugging Face model directory (no config.json there). "
-            "Nothing is downloaded from a model hub: give the path of a local checkpoint, "
-            "or leave the model out to use the bundled SmolLM2-135M-Instruct.")
-    return path
+    return check_model_dir(model)
 
 
 def load_tokenizer(model_dir: Path):
+    offline()
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
 

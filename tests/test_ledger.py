@@ -130,14 +130,12 @@ def test_expired_lease_fences_the_stale_attempt(ledger, data_root):
         assert claim_shard(s, job_id, 0, "fast", LEASE, max_attempts=3) == 2
 
         assert not renew_lease(s, job_id, 0, 1, LEASE)
-        assert not commit_shard(s, job_id, 0, 1, completed=3, failed=0, prompt_tokens=15,
-                                output_tokens=21, tmp_path=jp.tmp_result(0, 1),
+        assert not commit_shard(s, job_id, 0, 1, totals=dict(completed_requests=3, failed_requests=0, prompt_tokens=15, output_tokens=21), tmp_path=jp.tmp_result(0, 1),
                                 final_path=jp.result_shard(0))
         assert not jp.tmp_result(0, 1).exists() and not jp.result_shard(0).exists()
 
         write_shard_tmp(rows(0, 2, 3), jp.tmp_result(0, 2))
-        assert commit_shard(s, job_id, 0, 2, completed=3, failed=0, prompt_tokens=15,
-                            output_tokens=21, cached_tokens=8, tmp_path=jp.tmp_result(0, 2),
+        assert commit_shard(s, job_id, 0, 2, totals=dict(completed_requests=3, failed_requests=0, prompt_tokens=15, output_tokens=21, cached_tokens=8), tmp_path=jp.tmp_result(0, 2),
                             final_path=jp.result_shard(0))
         assert not jp.tmp_result(0, 2).exists()
         assert set(read_results(jp.results_dir)["attempt"].to_pylist()) == {2}
@@ -150,7 +148,7 @@ def test_expired_lease_fences_the_stale_attempt(ledger, data_root):
         assert (job.completed_requests, job.prompt_tokens, job.output_tokens, job.cached_tokens) == (3, 15, 21, 8)
         assert job_counts(s, job_id) == {
             "total_requests": 5, "completed_requests": 3, "failed_requests": 0,
-            "prompt_tokens": 15, "output_tokens": 21, "cached_tokens": 8,
+            "prompt_tokens": 15, "output_tokens": 21, "cached_tokens": 8, "draft_tokens": 0, "accepted_tokens": 0,
             "shards": {"completed": 1, "queued": 1}}
 
 
@@ -178,8 +176,7 @@ def test_release_requeues_without_using_an_attempt(ledger, data_root):
         # max_attempts=1 still allows it: the release did not count. The token still grows.
         assert claim_shard(s, job_id, 0, "w2", LEASE, max_attempts=1) == 2
         write_shard_tmp(rows(0, 1, 1), jp.tmp_result(0, 1))
-        assert not commit_shard(s, job_id, 0, 1, completed=1, failed=0, prompt_tokens=1,
-                                output_tokens=1, tmp_path=jp.tmp_result(0, 1),
+        assert not commit_shard(s, job_id, 0, 1, totals=dict(completed_requests=1, failed_requests=0, prompt_tokens=1, output_tokens=1), tmp_path=jp.tmp_result(0, 1),
                                 final_path=jp.result_shard(0))
 
 
@@ -225,8 +222,7 @@ def test_try_finalize_has_exactly_one_winner(ledger, data_root):
             attempt = claim_shard(s, job_id, i, "w", LEASE, max_attempts=3)
             assert not try_finalize(s, job_id)  # a shard is running
             write_shard_tmp(rows(i, attempt, 1), jp.tmp_result(i, attempt))
-            assert commit_shard(s, job_id, i, attempt, completed=1, failed=0, prompt_tokens=5,
-                                output_tokens=7, tmp_path=jp.tmp_result(i, attempt),
+            assert commit_shard(s, job_id, i, attempt, totals=dict(completed_requests=1, failed_requests=0, prompt_tokens=5, output_tokens=7), tmp_path=jp.tmp_result(i, attempt),
                                 final_path=jp.result_shard(i))
 
     def finalize(_):
@@ -269,8 +265,7 @@ def test_request_cancel(ledger, data_root):
 
         # The running shard notices and commits what it has as a cancelled shard.
         write_shard_tmp(rows(0, attempt, 1), jp.tmp_result(0, attempt))
-        assert commit_shard(s, job_id, 0, attempt, completed=1, failed=0, prompt_tokens=5,
-                            output_tokens=7, tmp_path=jp.tmp_result(0, attempt),
+        assert commit_shard(s, job_id, 0, attempt, totals=dict(completed_requests=1, failed_requests=0, prompt_tokens=5, output_tokens=7), tmp_path=jp.tmp_result(0, attempt),
                             final_path=jp.result_shard(0), status=ShardStatus.CANCELLED)
         assert try_finalize(s, job_id)
         assert not try_finalize(s, job_id)

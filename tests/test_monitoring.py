@@ -132,7 +132,7 @@ def check_worker_counters(samples, job, table, num_shards: int) -> None:
 # The list: every one on a worker's endpoint, with its type; and the only labels there are.
 WORKER_METRICS = {
     **dict.fromkeys(("pipeline_prompt_tokens", "pipeline_generated_tokens", "pipeline_cached_prompt_tokens",
-                     "pipeline_requests", "pipeline_shards", "pipeline_preemptions"), "counter"),
+                     "pipeline_draft_tokens", "pipeline_accepted_tokens", "pipeline_requests", "pipeline_shards", "pipeline_preemptions"), "counter"),
     **dict.fromkeys(("pipeline_running_sequences", "pipeline_waiting_sequences", "pipeline_kv_cache_utilization",
                      "pipeline_shards_in_flight"), "gauge"),
     **dict.fromkeys(("pipeline_time_to_first_token_seconds", "pipeline_request_latency_seconds",
@@ -417,8 +417,8 @@ def test_the_reaper_counts_the_shards_it_gives_up(Session, data_root, tmp_path):
         assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
         s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
         s.commit()
-    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=lambda key, shards, priority: None,
-                     backlog=lambda key: 0)
+    report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=lambda route, shards: None,
+                     backlog=lambda route: 0)
     assert report["exhausted"] == [(job_id, 0)]
     after = (in_process("pipeline_requests_total", model="tiny", worker=HOST, finish_reason="error"),
              in_process("pipeline_shards_total", worker=HOST, outcome="failed"))

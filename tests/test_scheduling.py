@@ -48,9 +48,11 @@ def submit(c: Cluster, tmp_path, rows, *args) -> str:
 def test_windows_and_priorities_parse():
     assert [parse_window(w) for w in ("24h", "8h", "30m", "20s")] == [
         timedelta(hours=24), timedelta(hours=8), timedelta(minutes=30), timedelta(seconds=20)]
-    for bad in ("", "0s", "1.5h", "8 hours", "-1m"):
+    for bad in ("", "0s", "1.5h", "8 hours", "-1m", "24h ", " 24h", "\uff12\uff14h", "31d", "721h",
+                "99999999999999999999h", "3000000d", None):
         with pytest.raises(ValueError):
             parse_window(bad)
+    assert parse_window("30d") == parse_window("720h") == timedelta(days=30)
     assert [priority_rank(p) for p in ("high", "normal", "low", None)] == [0, 1, 2, 1]
 
 
@@ -119,11 +121,11 @@ def test_recovery_expires_a_job_no_worker_holds(sqlite_url, tmp_path, data_root,
                                      completion_window="1s")
     sent = []
     report = recover(Session, data_root, max_attempts=2, queued_grace_s=60,
-                     enqueue=lambda key, shards, priority: sent.append(shards), backlog=lambda key: 0)
+                     enqueue=lambda route, shards: sent.append(shards), backlog=lambda route: 0)
     assert report["expired"] == [] and not sent   # not due yet
     time.sleep(1.1)
     report = recover(Session, data_root, max_attempts=2, queued_grace_s=60,
-                     enqueue=lambda key, shards, priority: sent.append(shards), backlog=lambda key: 0)
+                     enqueue=lambda route, shards: sent.append(shards), backlog=lambda route: 0)
     assert report["expired"] == [job_id] and job_id in report["finalized"] and not sent
     with Session() as s:
         job = ledger.get_job(s, job_id)

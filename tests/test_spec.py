@@ -401,7 +401,7 @@ def test_write_shards_round_trip(tmp_path):
     lines.insert(3, {"messages": [{"role": "user", "content": "hé"}], "stop": "x"})
     path = write(tmp_path, lines)
     shard_dir = tmp_path / "shards"
-    assert write_shards(path, str(shard_dir), 3) == [3, 3, 2]
+    assert write_shards(path, str(shard_dir), 3)[1] == [3, 3, 2]
     assert sorted(os.listdir(shard_dir)) == [shard_file_name(i) for i in range(3)]
     assert shard_file_name(0) == "shard-00000.jsonl"
     loaded = [s for i in range(3) for s in read_shard(str(shard_dir / shard_file_name(i)))]
@@ -415,7 +415,7 @@ def test_write_shards_keeps_model_of_openai_lines(tmp_path):
     path = write(tmp_path, [batch_line("a", chat_body()), batch_line("b", {"messages": [
         {"role": "user", "content": "x"}]})])
     shard_dir = tmp_path / "s"
-    assert write_shards(path, str(shard_dir), 10) == [2]
+    assert write_shards(path, str(shard_dir), 10)[1] == [2]
     a, b = read_shard(str(shard_dir / shard_file_name(0)))
     assert (a.model, b.model) == ("gpt-x", None)
     assert a.to_dict()["model"] == "gpt-x" and "model" not in b.to_dict()
@@ -493,3 +493,22 @@ def test_a_line_naming_another_model_than_the_jobs_is_refused(tmp_path):
     with pytest.raises(InvalidInput):
         write_shards(path, str(tmp_path / "s"), 10, model="/models/Qwen2.5-0.5B-Instruct")
     assert not (tmp_path / "s").exists()
+
+
+def test_numbers_out_of_any_range_duplicate_keys_and_cr_line_ends_are_line_errors(tmp_path):
+    huge = "9" * 401
+    path = write(tmp_path, [
+        '{"id": "a", "prompt": "x", "timeout_s": ' + huge + '}',
+        '{"id": "b", "prompt": "x", "temperature": -' + huge + '}',
+        '{"id": "k", "id": "k2", "prompt": "x"}',
+        '{"id": "c", "prompt": "x", "top_p": 1e400}',
+        b'{"id": "d", "prompt": "x"}\r{"id": "e", "prompt": "y"}',
+        '{"id": "f", "prompt": "fine", "seed": ' + huge + '}',
+    ])
+    errors = errors_by_line(path)
+    assert "timeout_s must be a number > 0, got an integer of 401 digits" in errors[1]
+    assert "temperature must be a number between 0 and 2, got an integer of 402 digits" in errors[2]
+    assert "the key 'id' appears twice" in errors[3]
+    assert "top_p must be a number in (0, 1], got inf" in errors[4]
+    assert "carriage return" in errors[5] and "CR alone" in errors[5]
+    assert "seed must be between" in errors[6]

@@ -87,7 +87,10 @@ def test_a_crashing_shard_is_retried_then_recorded_as_errors(data_root, tmp_path
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "Hi", "max_tokens": 2}) + "\n" for i in range(3)))
     env = {**pipeline_env(data_root, db_url), "PIPELINE_LEASE_SECONDS": "1", "PIPELINE_MAX_ATTEMPTS": "2"}
-    missing = tmp_path / "missing-model"
+    missing = tmp_path / "broken-model"   # looks like a model directory (submit takes it), but does not load
+    missing.mkdir()
+    (missing / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (missing / "model.safetensors").write_bytes(b"not safetensors")
     with worker(env, tmp_path / "worker.log", "--model", missing):
         job_id = submit_and_wait(env, src, "--model", str(missing))
     job, (shard,) = ledger_state(db_url, job_id)

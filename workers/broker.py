@@ -49,12 +49,12 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
 
 
 def enqueue_shards(settings: Settings, engine_key: str, shards: Iterable[tuple[str, int]],
-                   priority: str = DEFAULT_PRIORITY) -> None:
+                   priority: str = DEFAULT_PRIORITY, prefix: str | None = None) -> None:
     """Send one shard task per (job_id, index) to the queue of engine_key (their jobs' key),
-    with their jobs' priority."""
+    with their jobs' priority; prefix: their jobs' PIPELINE_QUEUE when it is not ours."""
     from workers.app import app  # Celery only where a message is sent: recovery imports no Celery
 
-    queue = settings.queue_for(engine_key)
+    queue = settings.queue_for(engine_key, prefix)
     step = MESSAGE_PRIORITY[priority]
     with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer:
         for job_id, index in shards:
@@ -76,10 +76,11 @@ SHARD_REPR = re.compile(r"\(job_id='(?P<job_id>job_[0-9a-f]+)', shard=(?P<shard>
 
 
 def enqueue_job(settings: Settings, job_id: str, num_shards: int, engine_key: str,
-                priority: str = DEFAULT_PRIORITY) -> None:
-    """Check the broker, then send every shard of a job to its engine key's queue."""
+                priority: str = DEFAULT_PRIORITY, prefix: str | None = None) -> None:
+    """Check the broker, then send every shard of a job to its engine key's queue (under
+    prefix, the job's PIPELINE_QUEUE, when given)."""
     check_broker(settings.broker_url)
-    enqueue_shards(settings, engine_key, ((job_id, index) for index in range(num_shards)), priority)
+    enqueue_shards(settings, engine_key, ((job_id, index) for index in range(num_shards)), priority, prefix)
 
 
 def priority_lists(queue: str) -> list[str]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 from prometheus_client import values as _values
 
+from jobs.result_row import SUMMED_COLUMNS, shard_totals
 from pipeline.bundled import BUNDLED_NAME
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,14 @@ PROMPT_TOKENS = Counter("pipeline_prompt_tokens", "Prompt tokens of the requests
 GENERATED_TOKENS = Counter("pipeline_generated_tokens", "Output tokens of the requests committed.", LABELS)
 CACHED_PROMPT_TOKENS = Counter("pipeline_cached_prompt_tokens",
                                "Prompt tokens of the requests committed that the prefix cache served.", LABELS)
+DRAFT_TOKENS = Counter("pipeline_draft_tokens", "Speculative tokens drafted for the requests committed.", LABELS)
+ACCEPTED_TOKENS = Counter("pipeline_accepted_tokens",
+                          "Speculative tokens of the requests committed that verification accepted.", LABELS)
+# One counter per summed result column (jobs.result_row.SUMMED_COLUMNS), added to per commit.
+TOKEN_COUNTERS = {"prompt_tokens": PROMPT_TOKENS, "output_tokens": GENERATED_TOKENS,
+                  "cached_tokens": CACHED_PROMPT_TOKENS, "draft_tokens": DRAFT_TOKENS,
+                  "accepted_tokens": ACCEPTED_TOKENS}
+assert set(TOKEN_COUNTERS) == set(SUMMED_COLUMNS), "a summed result column needs its counter here"
 REQUESTS = Counter("pipeline_requests", "Requests committed, by finish reason.", (*LABELS, "finish_reason"))
 SHARDS = Counter("pipeline_shards", "Shard runs by outcome (committed ones: completed, cancelled, failed).",
                  ("worker", "outcome"))
@@ -88,9 +97,9 @@ def model_label(model: str | None) -> str:
 def count_results(rows: list[dict], model: str | None) -> None:
     """A shard's result rows, just committed to the ledger."""
     labels = (model_label(model), _worker)
-    PROMPT_TOKENS.labels(*labels).inc(sum(r["prompt_tokens"] for r in rows))
-    GENERATED_TOKENS.labels(*labels).inc(sum(r["output_tokens"] for r in rows))
-    CACHED_PROMPT_TOKENS.labels(*labels).inc(sum(r["cached_tokens"] for r in rows))
+    totals = shard_totals(rows)
+    for name, counter in TOKEN_COUNTERS.items():
+        counter.labels(*labels).inc(totals[name])
     for row in rows:
         REQUESTS.labels(*labels, str(row["finish_reason"])).inc()
         if row["ttft_s"] is not None:   # it ran and produced tokens (not an error, not cancelled unstarted)

@@ -29,7 +29,6 @@ once are safe: every step is a conditional ledger update that one caller wins.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -51,30 +50,33 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FINALIZE_GRACE_S = 300.0
 
-# (engine key, shards of jobs with that key and priority, their priority)
-Enqueue = Callable[[str, list[tuple[str, int]], str], None]
+# (route, shards of jobs with that route): sends them to `<route.queue>.<route.engine_key>`
+Enqueue = Callable[[ledger.Route, list[tuple[str, int]]], None]
+# The number of messages waiting on a route's queue.
+Backlog = Callable[[ledger.Route], int]
 
 
 def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, worker_name: str | None = None) -> dict:
     """One pass with the settings' attempts, grace and lease, sending to the settings' broker."""
     return recover(Session, settings.data_dir, max_attempts=settings.max_attempts,
                    queued_grace_s=settings.queued_grace_s, lease_s=settings.lease_s, worker_name=worker_name,
-                   enqueue=functools.partial(broker.enqueue_shards, settings),
-                   backlog=lambda key: broker.backlog(settings, settings.queue_for(key)))
+                   enqueue=lambda route, shards: broker.enqueue_shards(
+                       settings, route.engine_key, shards, route.priority, prefix=route.queue),
+                   backlog=lambda route: broker.backlog(settings, settings.queue_for(route.engine_key, route.queue)))
 
 
 def recover(
     Session: sessionmaker[Session], root, *, max_attempts: int, queued_grace_s: float,
-    enqueue: Enqueue, backlog: Callable[[str], int], lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
+    enqueue: Enqueue, backlog: Backlog, lease_s: float = 60.0, finalize_grace_s: float = DEFAULT_FINALIZE_GRACE_S,
     worker_name: str | None = None,
 ) -> dict:
     """One recovery pass over the whole ledger; returns what it did.
 
-    enqueue(engine_key, shards, priority) sends one task per (job_id, index) to the queue of
-    the jobs' engine key (each shard goes back to the queue of its job's engine, never
-    another) with their jobs' priority;
-    backlog(engine_key) is the number of messages waiting in that queue — the reconciler
-    re-sends a key's shards only when it is 0.
+    enqueue(route, shards) sends one task per (job_id, index) on their jobs' route
+    (ledger.Route: the queue prefix the job was submitted on and its engine key, so each
+    shard goes back to its own job's queue, never another, with the job's priority);
+    backlog(route) is the number of messages waiting in that queue — the reconciler
+    re-sends a route's shards only when it is 0.
     An enqueue that fails (broker down) is logged and left to a later pass: the shards
     are queued in the ledger, so the reconciler finds them.
 
@@ -117,20 +119,25 @@ def recover(
         report["cancelled"] = ledger.cancel_orphaned_shards(s)
     touched.update(job_id for job_id, _ in report["cancelled"])
 
-    # (b) the reconciler, per engine key: only the shards of keys whose queue is empty
+    # (b) the reconciler, per queue: only the shards of routes whose queue is empty
     with Session() as s:
         candidates = ledger.queued_shards(s, older_than_s=queued_grace_s)
-        keys = ledger.engine_keys(s, (job_id for job_id, _ in candidates))
-    idle: dict[str | None, bool] = {}
-    for key in sorted(set(keys.values()), key=str):
+        routes = ledger.routes(s, (job_id for job_id, _ in candidates))
+    idle: dict[tuple, bool] = {}   # (queue, engine key) -> nothing waits in it
+    for route in sorted(set(routes.values()), key=str):
+        queue = route[:2]
+        if queue in idle:
+            continue
         try:
-            idle[key] = key is not None and backlog(key) == 0
+            idle[queue] = route.engine_key is not None and backlog(route) == 0
         except Exception as e:
-            idle[key] = False
-            report["errors"].append(f"reading the queue length of engine {key} failed: {type(e).__name__}: {e}")
+            idle[queue] = False
+            report["errors"].append(f"reading the queue length of engine {route.engine_key} failed: "
+                                    f"{type(e).__name__}: {e}")
     with Session() as s:
         lost = [(job_id, index) for job_id, index in candidates
-                if idle[keys.get(job_id)] and ledger.touch_queued(s, job_id, index, queued_grace_s)]
+                if job_id in routes and idle[routes[job_id][:2]]
+                and ledger.touch_queued(s, job_id, index, queued_grace_s)]
     report["reenqueued"] = lost
     _send(Session, enqueue, lost, report)
 
@@ -185,16 +192,22 @@ def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, w
         if shard is None or shard.status != ShardStatus.RUNNING:
             return False
         attempt, last_worker, num_requests = shard.attempt, shard.worker, shard.num_requests
+        last_error = shard.error   # what the last attempt raised, when it said (ledger.note_shard_error)
         if not ledger.take_over_expired(s, job_id, index, attempt, worker, lease_s):
             return False  # another reaper, or the worker came back to life
         model = ledger.get_job(s, job_id).model
-    error = (f"the shard's worker stopped responding on each of its {max_attempts} attempts "
-             f"(last: {last_worker}); the shard is given up")
+    if last_error:
+        error = (f"the shard failed on each of its {max_attempts} attempts (last on {last_worker}); "
+                 f"last error: {last_error}; the shard is given up")
+    else:
+        error = (f"the shard's worker stopped responding on each of its {max_attempts} attempts "
+                 f"(last: {last_worker}); the shard is given up")
     log.warning("recovery: shard %s/%d: %s", job_id, index, error)
     tmp = JobPaths(root, job_id).tmp_result(index, attempt, by_reaper=True)
     try:
         committed = commit_error_rows(Session, root, job_id, index, attempt, error, tmp_path=tmp)
     except (OSError, ValueError) as e:  # the input shard is gone or unreadable: no rows to write
+        # (the job's finalizer writes them if it can read the input, or fails the job)
         with Session() as s:
             committed, num_requests = ledger.fail_shard(s, job_id, index, attempt,
                                                         f"{error}; reading its input failed: {e}"), 0
@@ -204,20 +217,20 @@ def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, w
 
 
 def _send(Session, enqueue: Enqueue, shards: list[tuple[str, int]], report: dict) -> None:
-    """Send shards to the queues of their jobs' engine keys."""
+    """Send shards on their jobs' routes (the queue each job was submitted on)."""
     if not shards:
         return
     with Session() as s:
-        keys = ledger.engine_keys(s, (job_id for job_id, _ in shards))
-        priorities = ledger.priorities(s, (job_id for job_id, _ in shards))
-    by_key: dict[tuple, list[tuple[str, int]]] = {}
+        routes = ledger.routes(s, (job_id for job_id, _ in shards))
+    by_route: dict[ledger.Route, list[tuple[str, int]]] = {}
     for job_id, index in shards:
-        by_key.setdefault((keys.get(job_id), priorities.get(job_id)), []).append((job_id, index))
-    for (key, priority), group in by_key.items():
+        route = routes.get(job_id, ledger.Route(None, None, DEFAULT_PRIORITY))
+        by_route.setdefault(route._replace(priority=route.priority or DEFAULT_PRIORITY), []).append((job_id, index))
+    for route, group in by_route.items():
         try:
-            if key is None:
+            if route.engine_key is None:
                 raise ValueError("its job has no engine key (its engine options are not valid any more)")
-            enqueue(key, group, priority or DEFAULT_PRIORITY)
+            enqueue(route, group)
         except Exception as e:  # the shards are queued in the ledger: the reconciler sends them later
             log.warning("recovery: enqueueing %d shard(s) failed: %s", len(group), e)
             report["errors"].append(f"enqueueing {len(group)} shard(s) failed: {type(e).__name__}: {e}")

@@ -26,7 +26,7 @@ from enum import Enum
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import ledger
+from jobs import ledger, result_row
 from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
@@ -34,7 +34,7 @@ from jobs.results import write_shard_tmp
 from jobs.scheduling import expired_error
 from jobs.shards import read_shard
 from jobs.spec import RequestSpec
-from pipeline.request import FinishReason, Request, RequestOutput
+from pipeline.request import Request
 from pipeline.sampling_params import SamplingParams
 from workers import logs, metrics
 
@@ -102,7 +102,11 @@ def run_shard(
         job = ledger.get_job(s, job_id)
     logs.bind_attempt(attempt)
     paths = JobPaths(root, job_id)
-    specs = read_shard(paths.input_shard(index))
+    last_attempt = attempt - shard.releases >= max_attempts
+    try:
+        specs = read_input(paths, index)
+    except InputUnreadable as e:
+        return _fail_unreadable(Session, root, job_id, index, attempt, e, last_attempt)
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
         try:
@@ -111,7 +115,8 @@ def run_shard(
                                                          lease, on_result)
             status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED
         except Exception as e:
-            if attempt - shard.releases < max_attempts:
+            if not last_attempt:
+                _note_error(Session, job_id, index, attempt, f"{type(e).__name__}: {e}")
                 raise
             log.exception("shard %s/%d failed on its last attempt", job_id, index)
             error = f"the shard failed {max_attempts} times; last error: {type(e).__name__}: {e}"
@@ -142,13 +147,56 @@ def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
                    timeout_s=spec.timeout_s or timeout_s)
 
 
+class InputUnreadable(OSError):
+    """This process cannot read a shard's input file (the message says where it looked)."""
+
+
+def read_input(paths: JobPaths, index: int) -> list[RequestSpec]:
+    """The requests of input shard `index`; InputUnreadable names the file and the data
+    directory when they are not there (an unmounted share, another PIPELINE_DATA_DIR)."""
+    path = paths.input_shard(index)
+    try:
+        return read_shard(path)
+    except (OSError, ValueError) as e:
+        where = (f"the job's directory {paths.dir} does not exist: is {paths.root} the data directory "
+                 f"the job was submitted with (PIPELINE_DATA_DIR, a shared filesystem every worker mounts)?"
+                 if not paths.dir.is_dir() else f"{type(e).__name__}: {e}")
+        raise InputUnreadable(f"cannot read the shard's input {path}: {where}") from e
+
+
 def commit_error_rows(Session, root, job_id: str, index: int, attempt: int, error: str, *, tmp_path) -> bool:
     """Commit shard `index` as failed with one error row per request of its input file,
     under `attempt` (the reaper, for a shard whose attempts are used up). tmp_path must
-    not be a name any worker attempt uses. False if that attempt no longer holds it."""
+    not be a name any worker attempt uses. False if that attempt no longer holds it;
+    InputUnreadable if the input cannot be read (no rows can be written)."""
     paths = JobPaths(root, job_id)
-    rows = _error_rows(read_shard(paths.input_shard(index)), index, attempt, error)
+    rows = _error_rows(read_input(paths, index), index, attempt, error)
     return _commit(Session, paths, job_id, index, attempt, rows, ShardStatus.FAILED, tmp=tmp_path)
+
+
+def _fail_unreadable(Session, root, job_id, index, attempt, e: InputUnreadable, last_attempt: bool) -> ShardOutcome:
+    """A shard whose input this process cannot read: the error goes on the shard; the
+    attempt is retried (raise) while attempts are left, else the shard fails without rows
+    and the job's finalizer writes its error rows, or fails the job, naming the cause."""
+    log.error("shard %s/%d: %s", job_id, index, e)
+    if not last_attempt:
+        _note_error(Session, job_id, index, attempt, str(e))
+        raise e
+    with Session() as s:
+        failed = ledger.fail_shard(s, job_id, index, attempt, str(e))
+    if not failed:
+        return ShardOutcome.LOST
+    finalize_job(Session, root, job_id)
+    return ShardOutcome.FAILED
+
+
+def _note_error(Session, job_id: str, index: int, attempt: int, error: str) -> None:
+    """Keep an attempt's error on its shard (the reaper's message quotes it); best effort."""
+    try:
+        with Session() as s:
+            ledger.note_shard_error(s, job_id, index, attempt, error)
+    except Exception:
+        log.warning("recording the error of %s/%d failed", job_id, index, exc_info=True)
 
 
 def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
@@ -163,13 +211,13 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
         try:
             requests.append(to_request(spec, job.request_timeout_s))
         except ValueError as e:  # e.g. a sampling setting the engine rejects: this request fails alone
-            rows[spec.id] = _row(_error_output(spec.id, f"invalid request: {e}"), index, attempt)
+            rows[spec.id] = result_row.error_row(spec.id, f"invalid request: {e}", index, attempt)
             _notify(on_result, rows[spec.id])
     start = time.perf_counter()
     with _CancelPoll(Session, job_id) as cancel:
         stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
         for out in engine.generate(requests, should_stop=stop):
-            rows[out.id] = _row(out, index, attempt)
+            rows[out.id] = result_row.from_output(out, index, attempt)
             _notify(on_result, rows[out.id])
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
     # shutdown (both never committed).
@@ -178,9 +226,9 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
     for spec in specs:
         if spec.id not in rows:
             if cancel.reason == "expired":
-                rows[spec.id] = _row(_error_output(spec.id, expired_error(job.completion_window)), index, attempt)
-            else:
-                rows[spec.id] = _cancelled_row(spec.id, waited, index, attempt)
+                rows[spec.id] = result_row.error_row(spec.id, expired_error(job.completion_window), index, attempt)
+            else:   # it waited from the shard's start until the cancel, and got nothing
+                rows[spec.id] = result_row.cancelled_row(spec.id, waited, index, attempt)
             _notify(on_result, rows[spec.id])
     return [rows[spec.id] for spec in specs], cancel.seen, interrupted
 
@@ -188,40 +236,13 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
 def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None) -> bool:
     tmp = tmp or paths.tmp_result(index, attempt)
     write_shard_tmp(rows, tmp)
-    ok = [r for r in rows if FinishReason(r["finish_reason"]).is_success]
     with Session() as s:
-        return ledger.commit_shard(
-            s, job_id, index, attempt, completed=len(ok),
-            failed=sum(FinishReason(r["finish_reason"]).is_failure for r in rows),
-            prompt_tokens=sum(r["prompt_tokens"] for r in rows),
-            output_tokens=sum(r["output_tokens"] for r in rows),
-            cached_tokens=sum(r["cached_tokens"] for r in rows),
-            tmp_path=tmp, final_path=paths.result_shard(index), status=status)
-
-
-def _row(out: RequestOutput, index: int, attempt: int) -> dict:
-    return {"id": out.id, "output": out.text, "prompt_tokens": out.prompt_tokens,
-            "output_tokens": out.output_tokens, "cached_tokens": out.cached_tokens,
-            "draft_tokens": out.draft_tokens, "accepted_tokens": out.accepted_tokens,
-            "finish_reason": out.finish_reason, "error": out.error,
-            "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
-            "shard": index, "attempt": attempt}
-
-
-def _cancelled_row(request_id: str, waited: float, index: int, attempt: int) -> dict:
-    # It waited from the shard's start until the cancel, and got nothing.
-    return {"id": request_id, "output": "", "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
-            "draft_tokens": 0, "accepted_tokens": 0, "finish_reason": FinishReason.CANCELLED, "error": None, "queue_s": waited, "ttft_s": None,
-            "latency_s": waited, "shard": index, "attempt": attempt}
-
-
-def _error_output(request_id: str, error: str) -> RequestOutput:
-    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=error,
-                         prompt_tokens=0, output_tokens=0, queue_s=0.0, ttft_s=None, latency_s=0.0)
+        return ledger.commit_shard(s, job_id, index, attempt, totals=result_row.shard_totals(rows),
+                                   tmp_path=tmp, final_path=paths.result_shard(index), status=status)
 
 
 def _error_rows(specs, index, attempt, error) -> list[dict]:
-    return [_row(_error_output(spec.id, error), index, attempt) for spec in specs]
+    return [result_row.error_row(spec.id, error, index, attempt) for spec in specs]
 
 
 def _notify(on_result, row: dict) -> None:

@@ -88,8 +88,8 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     if outcome == ShardOutcome.RELEASED:  # this worker is shutting down: hand the shard to another one
         try:
             with Session() as s:
-                key = ledger.engine_keys(s, [job_id])[job_id]
-            broker.enqueue_shards(cfg, key, [(job_id, index)], priority)
+                route = ledger.routes(s, [job_id])[job_id]
+            broker.enqueue_shards(cfg, route.engine_key, [(job_id, index)], priority, prefix=route.queue)
         except Exception:  # it is queued in the ledger: the reconciler re-enqueues it
             log.warning("re-enqueueing released shard %s/%d failed", job_id, index, exc_info=True)
     return outcome

@@ -36,7 +36,7 @@ Callers import from `jobs.ledger` itself.
 from jobs.ledger.api_keys import KeyNameTaken, add_key, find_key, list_keys, revoke_key
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
-    count_expired_requests, create_job, expire_if_due, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key,
+    count_error_rows, create_job, expire_if_due, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key,
     list_jobs, queued_requests, request_cancel, retries_of, stop_reason, try_finalize,
 )
 from jobs.ledger.files import add_file, delete_file, files_of_job, get_file, list_files
@@ -45,18 +45,20 @@ from jobs.ledger.models import (
 )
 from jobs.ledger.progress_queries import jobs_by_status, live_engine_keys, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
-    active_jobs, cancel_orphaned_shards, engine_keys, expired_shards, priorities, queued_shards, retake_finalize,
+    Route, active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize, routes,
     stale_finalizing_jobs, take_over_expired, touch_queued, unfinalized_jobs,
 )
-from jobs.ledger.shard_leases import claim_shard, commit_shard, fail_shard, release_shard, renew_lease
+from jobs.ledger.shard_leases import (
+    claim_shard, commit_shard, fail_shard, note_shard_error, release_shard, renew_lease,
+)
 
 __all__ = [
     "ApiKey", "Base", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
     "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "cancel_orphaned_shards", "claim_shard",
-    "commit_shard", "count_expired_requests", "create_job", "delete_file", "engine_keys", "ensure_schema", "expire_if_due", "expired_shards", "fail_shard", "files_of_job",
+    "commit_shard", "count_error_rows", "create_job", "delete_file", "ensure_schema", "expire_if_due", "expired_shards", "fail_shard", "files_of_job",
     "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",
     "jobs_by_status", "jobs_of_key", "list_files", "list_jobs", "list_keys", "live_engine_keys", "live_jobs", "live_shards_by_status",
-    "make_engine", "open_sessions", "priorities", "queued_requests", "queued_shards", "release_shard", "renew_lease", "request_cancel",
+    "make_engine", "note_shard_error", "open_sessions", "Route", "routes", "queued_requests", "queued_shards", "release_shard", "renew_lease", "request_cancel",
     "retake_finalize", "retries_of", "revoke_key", "session_factory", "stale_finalizing_jobs", "stop_reason",
     "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow"
 ]

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 from jobs import paths
 from jobs.ledger.conditional import commit_if_won, execute
 from jobs.ledger.models import INPUT_FORMATS, STATS_COLUMNS, Job, JobStatus, Shard, ShardStatus, utcnow
+from jobs.result_row import SHARD_TOTALS
 from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
 
 
@@ -17,11 +18,12 @@ def create_job(
     endpoint: str | None, input_path: str, results_path: str, shard_size: int,
     shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
     engine_key: str | None = None, api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
-    request_timeout_s: float | None = None,
+    request_timeout_s: float | None = None, queue: str | None = None,
 ) -> Job:
     """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
     the engine its shards need (pipeline.engine_key), which routes them to a queue;
-    api_key_id: the API key that owns it, for jobs made through `pipeline serve`.
+    api_key_id: the API key that owns it, for jobs made through `pipeline serve`; queue:
+    the PIPELINE_QUEUE prefix its shards are sent on (None for a job run in-process).
     A completion_window (jobs.scheduling.parse_window) sets expires_at from now."""
     paths.check_job_id(job_id)
     if input_format not in INPUT_FORMATS:
@@ -32,6 +34,7 @@ def create_job(
     expires_at = now + parse_window(completion_window) if completion_window else None
     job = Job(
         id=job_id, status=JobStatus.QUEUED, model=model, engine_options=engine_options, engine_key=engine_key,
+        queue=queue,
         input_format=input_format, endpoint=endpoint, input_path=str(input_path),
         results_path=str(results_path), shard_size=shard_size, num_shards=len(shard_sizes),
         completion_window=completion_window, metadata_=metadata, api_key_id=api_key_id,
@@ -89,15 +92,13 @@ def get_shards(s: Session, job_id: str) -> list[Shard]:
 
 def job_counts(s: Session, job_id: str) -> dict:
     """Progress summed over the job's shards, plus the number of shards in each status."""
+    keys = ("total_requests", *SHARD_TOTALS)
+    columns = ("num_requests", *SHARD_TOTALS)
     rows = s.execute(
-        select(Shard.status, func.count(), func.sum(Shard.num_requests),
-               func.sum(Shard.completed_requests), func.sum(Shard.failed_requests),
-               func.sum(Shard.prompt_tokens), func.sum(Shard.output_tokens), func.sum(Shard.cached_tokens))
+        select(Shard.status, func.count(), *(func.sum(getattr(Shard, c)) for c in columns))
         .where(Shard.job_id == job_id).group_by(Shard.status)
     ).all()
     s.commit()
-    keys = ("total_requests", "completed_requests", "failed_requests", "prompt_tokens", "output_tokens",
-            "cached_tokens")
     counts: dict[str, Any] = dict.fromkeys(keys, 0)
     counts["shards"] = {}
     for status, n_shards, *sums in rows:
@@ -159,8 +160,9 @@ def expire_if_due(s: Session, job_id: str | None = None) -> list[str]:
     return expired
 
 
-def count_expired_requests(s: Session, job_id: str, index: int, n: int) -> None:
-    """Count the n error rows the finalizer wrote for a shard that never ran (an expiry)."""
+def count_error_rows(s: Session, job_id: str, index: int, n: int) -> None:
+    """Count the n error rows the finalizer wrote for a shard that ended without results
+    (it never ran before its job expired, or it was given up unread)."""
     execute(s, update(Shard).where(Shard.job_id == job_id, Shard.index == index).values(failed_requests=n))
     s.commit()
 

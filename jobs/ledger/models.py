@@ -16,6 +16,7 @@ INPUT_FORMATS = ("pipeline", "openai")
 STATS_COLUMNS = (
     "completed_requests", "failed_requests", "prompt_tokens", "output_tokens", "cached_tokens",
     "prefix_hit_rate", "draft_tokens", "accepted_tokens", "acceptance_rate",
+    "constrained_requests", "constrained_valid",
     "wall_seconds", "output_tok_s", "total_tok_s",
     "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
 )
@@ -64,6 +65,9 @@ class Job(Base):
     engine_options: Mapped[dict] = mapped_column(JSON)
     # The engine the job needs (pipeline.engine_key): its shards go to that key's queue.
     engine_key: Mapped[str | None] = mapped_column(String, index=True)
+    # The PIPELINE_QUEUE prefix it was submitted on (null: a local job, or one from before
+    # 0007): recovery re-sends its shards to `<queue>.<engine_key>`, never another prefix.
+    queue: Mapped[str | None] = mapped_column(String)
     input_format: Mapped[str] = mapped_column(String)
     endpoint: Mapped[str | None] = mapped_column(String)
     input_path: Mapped[str] = mapped_column(String)
@@ -74,7 +78,7 @@ class Job(Base):
     # jobs.scheduling.PRIORITIES: workers take higher-priority jobs' shards first.
     priority: Mapped[str] = mapped_column(String, default="normal", server_default="normal")
     # The timeout of a request line that gives no timeout_s of its own (None: no timeout).
-    # Stored and copied to retries; not enforced yet (the per-request timeout is to come).
+    # Copied to retries; enforced by the engine per request (pipeline.request.Request.timeout_s).
     request_timeout_s: Mapped[float | None] = mapped_column(Float)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -93,6 +97,10 @@ class Job(Base):
     draft_tokens: Mapped[int] = mapped_column(Integer, default=0)         # speculative decoding's drafts
     accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)      # ... accepted by verification
     acceptance_rate: Mapped[float | None] = mapped_column(Float)         # accepted / drafted
+    # Structured-output answers, and those complete under their grammar (the rest are `length`
+    # or cut by a stop string: results' valid = false).
+    constrained_requests: Mapped[int] = mapped_column(Integer, default=0)
+    constrained_valid: Mapped[int] = mapped_column(Integer, default=0)
     wall_seconds: Mapped[float | None] = mapped_column(Float)
     output_tok_s: Mapped[float | None] = mapped_column(Float)
     total_tok_s: Mapped[float | None] = mapped_column(Float)
@@ -121,6 +129,8 @@ class Shard(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    draft_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

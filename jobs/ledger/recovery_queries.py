@@ -5,6 +5,7 @@ Many recovery passes at once each win a given step once.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import NamedTuple
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
@@ -151,17 +152,18 @@ def active_jobs(s: Session) -> list[str]:
     return ids
 
 
-def engine_keys(s: Session, job_ids) -> dict[str, str | None]:
-    """job id -> the engine key its shards are routed by (None for a job that has none)."""
-    ids = sorted(set(job_ids))
-    rows = s.execute(select(Job.id, Job.engine_key).where(Job.id.in_(ids))).all() if ids else []
-    s.commit()
-    return dict(rows)
+class Route(NamedTuple):
+    """Where a job's shards are sent: the queue `<queue>.<engine_key>` with its priority.
+    queue None: the job has no prefix of its own (run in-process, or made before 0007)."""
+    queue: str | None
+    engine_key: str | None
+    priority: str
 
 
-def priorities(s: Session, job_ids) -> dict[str, str]:
-    """job id -> its priority (jobs.scheduling.PRIORITIES), which its shards are sent with."""
+def routes(s: Session, job_ids) -> dict[str, Route]:
+    """job id -> the route its shards are sent on (its submitted queue, engine key, priority)."""
     ids = sorted(set(job_ids))
-    rows = s.execute(select(Job.id, Job.priority).where(Job.id.in_(ids))).all() if ids else []
+    rows = (s.execute(select(Job.id, Job.queue, Job.engine_key, Job.priority).where(Job.id.in_(ids))).all()
+            if ids else [])
     s.commit()
-    return dict(rows)
+    return {job_id: Route(queue, key, priority) for job_id, queue, key, priority in rows}

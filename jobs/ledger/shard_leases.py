@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from jobs.atomic import replace_durably
 from jobs.ledger.conditional import commit_if_won, execute, held
 from jobs.ledger.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from jobs.result_row import SHARD_TOTALS
 
 
 def claim_shard(s: Session, job_id: str, index: int, worker: str, lease_s: float, max_attempts: int) -> int | None:
@@ -63,21 +64,23 @@ def release_shard(s: Session, job_id: str, index: int, attempt: int) -> bool:
 
 
 def commit_shard(
-    s: Session, job_id: str, index: int, attempt: int, *, completed: int, failed: int,
-    prompt_tokens: int, output_tokens: int, cached_tokens: int = 0, tmp_path: str | os.PathLike,
+    s: Session, job_id: str, index: int, attempt: int, *, totals: dict[str, int], tmp_path: str | os.PathLike,
     final_path: str | os.PathLike, status: str = ShardStatus.COMPLETED,
 ) -> bool:
     """Publish an attempt's results: fenced ledger update and file rename in one transaction.
 
     status is "completed", "cancelled" (a partial shard of a cancelled job) or "failed"
-    (error rows of an exhausted shard). A stale attempt never commits: it gets False and
+    (error rows of an exhausted shard). totals (jobs.result_row.shard_totals: the
+    SHARD_TOTALS of its rows) are set on the shard and added to the job. A stale attempt never commits: it gets False and
     its tmp file is deleted. If the database commit fails after the rename, the shard
     stays running and a later attempt overwrites the file, so results stay consistent.
     """
     if status not in ShardStatus.terminal():
         raise ValueError(f"cannot commit a shard as {status!r}")
-    counts = dict(completed_requests=completed, failed_requests=failed,
-                  prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached_tokens)
+    unknown = set(totals) - set(SHARD_TOTALS)
+    if unknown:
+        raise ValueError(f"unknown shard totals: {sorted(unknown)}")
+    counts = dict(totals)
     won = execute(s, update(Shard)
                    .where(held(job_id, index, attempt))
                    .values(status=status, finished_at=utcnow(), lease_expires_at=None, **counts)
@@ -96,6 +99,12 @@ def commit_shard(
         raise
     s.commit()
     return True
+
+
+def note_shard_error(s: Session, job_id: str, index: int, attempt: int, error: str) -> bool:
+    """Record why an attempt failed, on its shard, while that attempt still holds it: the
+    reaper that later gives the shard up quotes it (claim_shard clears it for the next)."""
+    return commit_if_won(s, update(Shard).where(held(job_id, index, attempt)).values(error=error))
 
 
 def fail_shard(s: Session, job_id: str, index: int, attempt: int | None, error: str) -> bool:

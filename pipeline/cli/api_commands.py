@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from pipeline.cli.job_commands import check_broker, sessions
+from pipeline.cli.job_commands import check_broker, check_model, sessions
 from pipeline.cli.options import engine_options, settings_options
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -30,6 +30,7 @@ def serve_command(host, port, engine_options, shard_size, settings):
     from pipeline.bundled import BUNDLED_NAME
 
     check_broker(settings)   # as `pipeline submit` does: batches could not be queued
+    check_model(engine_options.get("model"))
     Session = sessions(settings)
     with Session() as s:
         if not any(key.revoked_at is None for key in ledger.list_keys(s)):

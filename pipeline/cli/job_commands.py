@@ -12,12 +12,13 @@ from pipeline.cli import render
 from pipeline.cli.errors import (
     EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_TERMINATED, EXIT_USAGE, Fail,
 )
-from pipeline.cli.options import engine_options, settings_options
+from pipeline.cli.options import FiniteFloat, engine_options, settings_options
 
 
 # FILE may be "-": standard input, read once into the job's own copy.
 INPUT_FILE = click.Path(exists=True, dir_okay=False, allow_dash=True)
 CAPACITY_POLL_S = 2.0
+MAX_TIMEOUT_S = 30 * 86400.0   # a request timeout longer than the longest completion window means none
 
 
 def _check_window(ctx, param, value):
@@ -42,7 +43,7 @@ COMPLETION_WINDOW = click.option(
 
 
 REQUEST_TIMEOUT = click.option(
-    "--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+    "--request-timeout", type=FiniteFloat(min=0, min_open=True, max=MAX_TIMEOUT_S), metavar="SECONDS",
     help="A request still running this long after it started ends with finish_reason timeout (an "
          "error row keeping its partial text; its KV blocks are freed). A line's own timeout_s wins.  "
          "[default: none]")
@@ -68,16 +69,15 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
     With PIPELINE_MAX_QUEUED_REQUESTS set, a job that would queue more requests than that
     is refused (exit 4, nothing created) or, with --wait-for-capacity, waits for room.
     """
-    check_broker(settings)  # before creating anything: no job may wait for a broker that is down
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
-                      request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None)
-    job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size, scheduling,
-                                wait_for_capacity=wait_for_capacity)
-    _enqueue_or_abandon(Session, settings, job_id, sizes)
-    click.echo(job_id)
+                      request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
+                      queue=settings.queue)
+    job = _submit(Session, settings, lambda: _create_job(Session, settings, file, engine_options, shard_size,
+                                                         scheduling, wait_for_capacity=wait_for_capacity))
+    click.echo(job.id)
     if wait:
-        _wait_until_completed(Session, job_id)
+        _wait_until_completed(Session, job.id)
 
 
 @click.command("run")
@@ -129,27 +129,30 @@ def retry_command(job_id, only_failed, local, shard_size, priority, completion_w
     check_job_id(job_id)
     if local:
         serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
-    else:
-        check_broker(settings)
     Session = sessions(settings)
     with Session() as s:
         get_job(s, job_id)
-    try:
-        new_id, sizes = create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size,
-                                         only_failed=only_failed, priority=priority,
-                                         completion_window=completion_window)
-    except NothingToRetry as e:
-        raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
-    except ValueError as e:
-        raise Fail(str(e), EXIT_USAGE) from None
-    click.echo(new_id)
+
+    def create():
+        try:
+            return create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size,
+                                    only_failed=only_failed, priority=priority,
+                                    completion_window=completion_window, queue=None if local else settings.queue)
+        except NothingToRetry as e:
+            raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
+        except ValueError as e:
+            raise Fail(str(e), EXIT_USAGE) from None
+
     if local:
+        new_id, sizes = create()
+        click.echo(new_id)
         with Session() as s:
             options = ledger.get_job(s, new_id).engine_options
         click.echo(f"job {new_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
         _run_here(Session, settings, new_id, options)
         return
-    _enqueue_or_abandon(Session, settings, new_id, sizes)
+    new_id = _submit(Session, settings, create).id
+    click.echo(new_id)
     if wait:
         _wait_until_completed(Session, new_id)
 
@@ -192,19 +195,17 @@ def resume_command(job_id, settings):
 @settings_options()
 def cancel_command(job_id, settings):
     """Cancel a job: queued shards are dropped, running ones stop at their next step."""
-    from jobs import ledger
-    from jobs.finalize import finalize_job
+    from workers.submit import NotCancellable, cancel
 
     check_job_id(job_id)
     Session = sessions(settings)
     with Session() as s:
         job = get_job(s, job_id)
-        cancelled = job.status in (JobStatus.CANCELLING, JobStatus.CANCELLED)
-        if not ledger.request_cancel(s, job_id) and not cancelled:
-            raise Fail(f"job {job_id} is already {job.status}; it cannot be cancelled")
-    finalize_job(Session, settings.data_dir, job_id)  # at once when no shard is running
-    with Session() as s:
-        click.echo(f"job {job_id}: {ledger.get_job(s, job_id).status}")
+    try:
+        job = cancel(Session, settings.data_dir, job)
+    except NotCancellable as e:
+        raise Fail(str(e)) from None
+    click.echo(f"job {job_id}: {job.status}")
 
 
 # --- shared by the commands ------------------------------------------------------------------
@@ -247,6 +248,18 @@ def serve_metrics(settings: Settings) -> None:
         raise Fail(f"cannot serve metrics on port {settings.metrics_port}: {e}", EXIT_USAGE) from None
 
 
+def check_model(model: str | None) -> None:
+    """A model that is not the bundled one must be a loadable local directory: refused here
+    (exit 2, nothing created) rather than failing on every worker."""
+    from pipeline.model_dir import check_model_dir, is_bundled
+
+    if not is_bundled(model):
+        try:
+            check_model_dir(model)
+        except ValueError as e:
+            raise Fail(str(e), EXIT_USAGE) from None
+
+
 def check_broker(settings: Settings) -> None:
     from workers.broker import BrokerUnavailable, check_broker as check
 
@@ -262,6 +275,7 @@ def _create_job(Session, settings: Settings, file, engine_options: dict, shard_s
     from jobs.submission import OverCapacity, create_job_from_file, create_job_from_stream
     from pipeline.bundled import BUNDLED_NAME
 
+    check_model(engine_options.get("model"))
     options = dict(model=engine_options.get("model") or BUNDLED_NAME, engine_options=engine_options,
                    shard_size=shard_size, **(scheduling or {}))
     try:
@@ -283,32 +297,27 @@ def _create_job(Session, settings: Settings, file, engine_options: dict, shard_s
         raise Fail(f"job refused, nothing was created: {e}; submit it later, or with --wait-for-capacity",
                    EXIT_OVER_CAPACITY) from None
     except InvalidInput as e:
-        v = e.validation
         name = "standard input" if file == "-" else file
-        lines = [f"{name}: {v.num_errors} error(s), nothing was submitted:", *map(str, v.errors)]
-        if v.num_errors > len(v.errors):
-            lines.append(f"... and {v.num_errors - len(v.errors)} more")
-        raise Fail("\n".join(lines), EXIT_USAGE) from None
+        raise Fail(e.validation.describe(name, "nothing was submitted"), EXIT_USAGE) from None
 
 
-def _enqueue_or_abandon(Session, settings: Settings, job_id: str, sizes: list[int]) -> None:
-    """Send the job's shards to its engine's queue; if that fails the job can never run, so
-    it is failed at once. Warn when no live worker serves that engine."""
-    from jobs import ledger
-    from jobs.finalize import abandon_job
-    from workers.broker import enqueue_job
+def _submit(Session, settings: Settings, create):
+    """Queue the job `create()` makes (workers.submit, shared with `pipeline serve`); warn
+    when no live worker serves its engine."""
+    from workers.broker import BrokerUnavailable
+    from workers.submit import EnqueueFailed, submit
 
-    with Session() as s:
-        job = ledger.get_job(s, job_id)
     try:
-        enqueue_job(settings, job_id, len(sizes), job.engine_key, job.priority)
-    except Exception as e:
-        abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
-        raise Fail(f"job {job_id} failed: enqueueing its shards failed: {e}", EXIT_BROKER) from None
+        job = submit(settings, Session, create)
+    except BrokerUnavailable as e:
+        raise Fail(str(e), EXIT_BROKER) from None
+    except EnqueueFailed as e:
+        raise Fail(str(e), EXIT_BROKER) from None
     if waiting_for_worker(settings, job) is True:
         click.echo(f"warning: no live worker serves engine {job.engine_key} (model {job.model}): the job's "
-                   f"shards wait in queue {settings.queue_for(job.engine_key)} until one starts, e.g.\n"
+                   f"shards wait in queue {settings.queue_for(job.engine_key, job.queue)} until one starts, e.g.\n"
                    f"  {worker_command_for(job.engine_options)}", err=True)
+    return job
 
 
 def waiting_for_worker(settings: Settings, job) -> bool | None:

@@ -7,6 +7,7 @@ options are made from the fields of EngineConfig, so a new field is a new option
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -15,6 +16,18 @@ import click
 from jobs.settings import LOG_FORMATS, Settings, default, env_var
 from pipeline.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                              SPECULATIVE_METHODS, EngineConfig)
+
+class FiniteFloat(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (1e400 reads as inf): a range check
+    alone lets nan through, and a timeout of nan never fires."""
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
 
 _SETTING_OPTIONS = {
     "data_dir": dict(decls=("--data-dir",), type=click.Path(file_okay=False), show_default=True,
@@ -38,7 +51,7 @@ _SETTING_OPTIONS = {
     "max_queued_requests": dict(decls=("--max-queued-requests",), type=click.IntRange(min=0), show_default=True,
                                 help="Refuse a job that would put more requests than this in the queue "
                                      "(queued shards of live jobs; 0: no limit)."),
-    "queued_grace_s": dict(decls=("--queued-grace",), type=click.FloatRange(min=0), show_default=True,
+    "queued_grace_s": dict(decls=("--queued-grace",), type=FiniteFloat(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }
 
@@ -77,7 +90,7 @@ _ENGINE_OPTIONS = {
     "quantization": dict(type=click.Choice(QUANTIZATIONS)),
     "kv_cache_gib": dict(help="Memory budget of the KV cache  [default: 1 on a CPU; on CUDA what "
                               "--gpu-memory-utilization leaves once the model is loaded]"),
-    "gpu_memory_utilization": dict(type=click.FloatRange(0, 1, min_open=True),
+    "gpu_memory_utilization": dict(type=FiniteFloat(0, 1, min_open=True),
                                    help="CUDA: the share of the GPU's memory the engine may fill (model, "
                                         "activations, KV cache)  [default: 0.9]"),
     "kv_cache_dtype": dict(type=click.Choice(KV_CACHE_DTYPES),

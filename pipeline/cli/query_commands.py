@@ -89,7 +89,8 @@ def results_command(job_id, export, fmt, output_file, error_file, force, setting
     check_job_id(job_id)
     with sessions(settings)() as s:
         job = get_job(s, job_id)
-    results_dir = JobPaths(settings.data_dir, job_id).results_dir
+    job_paths = JobPaths(settings.data_dir, job_id)
+    results_dir = job_paths.results_dir
     if note := render.not_ended_note(job):
         click.echo(note, err=True)
     if error_file and fmt != "openai":  # the pipeline format has one file; an ignored option would mislead
@@ -105,7 +106,7 @@ def results_command(job_id, export, fmt, output_file, error_file, force, setting
             from jobs.results import export_jsonl
             click.echo(f"{export_jsonl(results_dir, output_file, overwrite=force)} rows written to {output_file}")
         else:
-            _export_openai(job, results_dir, output_file, error_file or _errors_name(output_file), force)
+            _export_openai(job, job_paths, output_file, error_file or _errors_name(output_file), force)
     except TargetExists as e:
         raise Fail(f"{e}: nothing was written (add --force to replace it)", EXIT_USAGE) from None
     except TargetRefused as e:
@@ -119,12 +120,13 @@ def _errors_name(output_file: str) -> str:
     return str(path.with_name(path.stem + ".errors.jsonl"))
 
 
-def _export_openai(job, results_dir: Path, output_file: str, error_file: str, force: bool) -> None:
+def _export_openai(job, job_paths, output_file: str, error_file: str, force: bool) -> None:
     from jobs.openai_format import PIPELINE_ENDPOINT, write_openai_files
-    from jobs.results import iter_result_rows
+    from jobs.results import iter_job_rows
 
     created = int((job.finished_at or job.created_at).timestamp())
-    ok, failed = write_openai_files(iter_result_rows(results_dir), output_file, error_file,
+    rows = iter_job_rows(job_paths, job.num_shards)
+    ok, failed = write_openai_files(rows, output_file, error_file,
                                     endpoint=job.endpoint or PIPELINE_ENDPOINT, model=job.model, created=created,
                                     overwrite=force)
     click.echo(f"{ok} responses written to {output_file}, {failed} errors to {error_file}")

@@ -136,6 +136,9 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
                        f"{job.output_tokens} output"
                        + (f" ({job.accepted_tokens} of {job.draft_tokens} speculative drafts accepted)"
                           if job.draft_tokens else "")),
+            *([("structured", f"{job.constrained_valid} of {job.constrained_requests} constrained answers "
+                                f"complete under their grammar (the rest: results' valid = false)")]
+              if job.constrained_requests else []),
             ("priority", job.priority),
             ("deadline", deadline(job, with_window=True)),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),

@@ -1,0 +1,70 @@
+"""The one result row: its columns, every way a row is made, and the columns summed.
+
+A row is a plain dict with exactly RESULT_COLUMNS' fields (what pyarrow writes and
+readers get back). It is made here only: from the engine's RequestOutput, for a request
+that failed before or instead of running (an error, an expired window, a shard given up),
+or for one a cancel stopped. A new per-request figure is a field of RequestOutput and a
+column here; if it is summed, also a name in SUMMED_COLUMNS (plus its ledger columns and
+their migration): the shard commit, the job's counts, the stats and the metrics read that list.
+"""
+from __future__ import annotations
+
+from pipeline.request import FinishReason, RequestOutput
+
+# (column, Arrow type): jobs.results makes the Parquet schema (RESULT_SCHEMA) from it.
+RESULT_COLUMNS = (
+    ("id", "string"),
+    ("output", "string"),
+    ("prompt_tokens", "int32"),
+    ("output_tokens", "int32"),
+    ("cached_tokens", "int32"),    # prompt tokens served from the prefix cache (null: older results)
+    ("draft_tokens", "int32"),     # speculative decoding: tokens drafted (null: older results)
+    ("accepted_tokens", "int32"),  # ... and accepted by verification
+    ("finish_reason", "string"),   # a pipeline.request.FinishReason value
+    ("error", "string"),
+    ("queue_s", "float64"),
+    ("ttft_s", "float64"),
+    ("latency_s", "float64"),
+    ("shard", "int32"),
+    ("attempt", "int32"),
+    ("valid", "bool_"),            # structured output: the answer is complete under its grammar (null: free text)
+)
+
+# Per-request token counts that are also kept summed: per shard and per job in the ledger,
+# in the job's stats and in the workers' metrics. Each is a RequestOutput field of the same name.
+SUMMED_COLUMNS = ("prompt_tokens", "output_tokens", "cached_tokens", "draft_tokens", "accepted_tokens")
+# What a shard commit adds to its shard's and its job's ledger row.
+SHARD_TOTALS = ("completed_requests", "failed_requests", *SUMMED_COLUMNS)
+
+
+def from_output(out: RequestOutput, shard: int, attempt: int) -> dict:
+    """The row of a request the engine finished (any finish reason)."""
+    return {"id": out.id, "output": out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
+            "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
+            "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
+            "shard": shard, "attempt": attempt, "valid": out.valid}
+
+
+def error_row(request_id: str, error: str, shard: int, attempt: int) -> dict:
+    """The row of a request that failed without output (finish_reason "error")."""
+    return _empty(request_id, FinishReason.ERROR, error, 0.0, shard, attempt)
+
+
+def cancelled_row(request_id: str, waited_s: float, shard: int, attempt: int) -> dict:
+    """The row of a request a cancel stopped: it waited waited_s and got nothing."""
+    return _empty(request_id, FinishReason.CANCELLED, None, waited_s, shard, attempt)
+
+
+def shard_totals(rows: list[dict]) -> dict[str, int]:
+    """SHARD_TOTALS over a shard's rows: what its commit adds to the ledger."""
+    reasons = [FinishReason(r["finish_reason"]) for r in rows]
+    return {"completed_requests": sum(r.is_success for r in reasons),
+            "failed_requests": sum(r.is_failure for r in reasons),
+            **{name: sum(r[name] or 0 for r in rows) for name in SUMMED_COLUMNS}}
+
+
+def _empty(request_id: str, reason: FinishReason, error: str | None, waited_s: float, shard: int,
+           attempt: int) -> dict:
+    return {"id": request_id, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0), "finish_reason": reason.value,
+            "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
+            "shard": shard, "attempt": attempt, "valid": None}

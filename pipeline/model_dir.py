@@ -1,0 +1,46 @@
+"""Where a model's files are, checked without loading them (no torch, no transformers).
+
+A model is the bundled one (None, or its name) or a local Hugging Face directory with a
+config.json and safetensors weights. `pipeline submit` and `pipeline serve` check it
+before a job is queued, so a job for a path that is no model is refused at once instead
+of failing on every worker. Nothing is ever downloaded: `offline()` tells the Hugging
+Face libraries so before they are used.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pipeline.bundled import BUNDLED_NAME
+
+
+def offline() -> None:
+    """Never reach for a model hub, even by accident through transformers (unless the
+    environment says otherwise)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def is_bundled(model: str | None) -> bool:
+    return model is None or model == BUNDLED_NAME
+
+
+def check_model_dir(model: str) -> Path:
+    """The local model directory `model` names; ValueError saying what is missing if it is
+    not one (no directory, no config.json, unreadable config, no weights)."""
+    path = Path(model).expanduser()
+    hint = ("Nothing is downloaded from a model hub: give the path of a local checkpoint, "
+            f"or leave the model out to use the bundled {BUNDLED_NAME}.")
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is not a directory. {hint}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"model {model!r} is not a local Hugging Face model directory (no config.json there). {hint}")
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {model!r}: its config.json cannot be read as JSON ({e})") from None
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model {model!r} has no *.safetensors weights")
+    return path

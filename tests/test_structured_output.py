@@ -1,0 +1,189 @@
+"""Structured outputs on real weights: every constrained answer parses and validates.
+
+The bundled SmolLM2-135M-Instruct answers JSON-schema, JSON-mode, regex, choice and Lark
+requests (checked with jsonschema, json, re and lark); the tiny random Llama checks how
+constraints compose with the engine (preemption, prefix caching, unconstrained neighbours).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import lark
+import pytest
+import torch
+
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from pipeline.structured_output import check
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "genre": {"enum": ["drama", "comedy", "horror", "documentary"]},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+        "rating": {"type": "number", "minimum": 0, "maximum": 10},
+        "cast": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+        "studio": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                   "required": ["name"], "additionalProperties": False},
+    },
+    "required": ["title", "genre", "year", "rating", "cast", "studio"],
+    "additionalProperties": False,
+}
+MOVIES = ["Titanic", "Jaws", "Alien", "Up", "Heat", "Rocky", "Psycho", "Fargo", "Casablanca", "Vertigo",
+          "Amelie", "Shrek", "Cars", "Frozen", "Coco", "Inception", "Gladiator", "Memento", "Big", "Babe"]
+ARITHMETIC = r"""
+start: sum
+sum: NUMBER OP NUMBER
+OP: "+" | "-"
+NUMBER: /[0-9]{1,3}/
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()   # as in test_engine: small matmuls on a shared 2-core box
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bundled_engine():
+    return Engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_seqs=64))
+
+
+def ask(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def run(engine, requests):
+    return {out.id: out for out in engine.generate(requests)}
+
+
+@pytest.fixture(scope="module")
+def movie_answers(bundled_engine):
+    """20 greedy and 20 sampled schema answers, plus every other kind, in one batch."""
+    spec = {"json": SCHEMA}
+    requests = [Request(f"greedy-{m}", messages=ask(f"Describe the movie {m} as JSON."),
+                        params=SamplingParams(temperature=0, max_tokens=200, structured_output=spec))
+                for m in MOVIES]
+    requests += [Request(f"sampled-{i}", messages=ask(f"Describe the movie {m} as JSON."),
+                         params=SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=200,
+                                               structured_output=spec))
+                 for i, m in enumerate(MOVIES)]
+    requests += [
+        Request("json-mode", messages=ask("Reply with a JSON object with the keys city and country, for Paris."),
+                params=SamplingParams(temperature=0, max_tokens=200, structured_output={"json_object": True})),
+        Request("date", messages=ask("When did the French revolution start?"),
+                params=SamplingParams(temperature=0, max_tokens=20,
+                                      structured_output={"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})),
+        Request("choice", messages=ask("Is the sky blue? Answer yes or no."),
+                params=SamplingParams(temperature=0.7, seed=1, max_tokens=10,
+                                      structured_output={"choice": ["yes", "no", "maybe"]})),
+        Request("lark", messages=ask("Write a sum of two small numbers."),
+                params=SamplingParams(temperature=0, max_tokens=20, structured_output={"grammar": ARITHMETIC})),
+        Request("free", messages=ask("What is the capital of France?"), params=SamplingParams(temperature=0,
+                                                                                               max_tokens=12)),
+    ]
+    return run(bundled_engine, requests)
+
+
+def test_every_schema_answer_parses_and_validates(movie_answers):
+    answers = [out for key, out in movie_answers.items() if key.startswith(("greedy-", "sampled-"))]
+    assert len(answers) == 40
+    for out in answers:
+        assert out.finish_reason == "stop" and out.valid is True, (out.id, out.text)
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    sampled = {movie_answers[f"sampled-{i}"].text for i in range(20)}
+    assert len(sampled) > 10   # sampling still samples, within the grammar
+
+
+def test_json_mode_regex_choice_and_lark_answers_follow_their_grammar(movie_answers):
+    assert movie_answers["json-mode"].finish_reason == "stop", movie_answers["json-mode"].text
+    assert isinstance(json.loads(movie_answers["json-mode"].text), dict)
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", movie_answers["date"].text)
+    assert movie_answers["choice"].text in ("yes", "no", "maybe")
+    lark.Lark(ARITHMETIC, start="start").parse(movie_answers["lark"].text)
+    assert all(movie_answers[k].valid for k in ("json-mode", "date", "choice", "lark"))
+    free = movie_answers["free"]
+    assert free.valid is None and "Paris" in free.text
+
+
+def test_an_answer_cut_by_max_tokens_is_reported_invalid(bundled_engine):
+    out = run(bundled_engine, [Request("short", messages=ask("Describe Titanic as JSON."),
+                                       params=SamplingParams(temperature=0, max_tokens=5,
+                                                             structured_output={"json": SCHEMA}))])["short"]
+    assert out.finish_reason == "length" and out.valid is False
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+# ---- composition, on the tiny model -------------------------------------------------------
+
+LOOSE = {"json": {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}},
+                  "required": ["a"]}}
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_model_dir):
+    big = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=512, block_size=16,
+                              max_num_batched_tokens=64, max_num_seqs=32))
+    small = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=24, block_size=4,
+                                max_num_batched_tokens=64, max_num_seqs=32))
+    return big, small
+
+
+PREAMBLE = "You are a careful assistant who answers in JSON. " * 4   # a few full blocks to cache
+
+
+def constrained(i: int, max_tokens: int = 40) -> Request:
+    return Request(f"c{i}", prompt=f"{PREAMBLE}Item {i}:", params=SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens,
+                                                                      structured_output=LOOSE))
+
+
+def free(i: int) -> Request:
+    return Request(f"f{i}", prompt=f"Free text {i}", params=SamplingParams(temperature=0, max_tokens=24,
+                                                                           ignore_eos=True))
+
+
+def test_unconstrained_neighbours_get_the_same_tokens(tiny_engines):
+    big, _ = tiny_engines
+    alone = run(big, [free(i) for i in range(4)])
+    mixed = run(big, [r for i in range(4) for r in (constrained(i), free(i))])
+    assert {k: v.token_ids for k, v in alone.items()} == {f"f{i}": mixed[f"f{i}"].token_ids for i in range(4)}
+    assert all(mixed[f"c{i}"].token_ids for i in range(4))
+
+
+def test_preempted_and_prefix_cached_constrained_requests_give_the_same_answers(tiny_engines):
+    big, small = tiny_engines
+    alone = {i: run(big, [constrained(i)])[f"c{i}"] for i in range(6)}
+    preemptions = small.scheduler.num_preemptions
+    crowded = run(small, [constrained(i) for i in range(6)])
+    assert small.scheduler.num_preemptions > preemptions   # the pool is too small for all six at once
+    cached = run(big, [constrained(i) for i in range(6)])   # their prompts are in the prefix cache now
+    assert any(out.cached_tokens for out in cached.values())
+    for i in range(6):
+        assert crowded[f"c{i}"].token_ids == alone[i].token_ids == cached[f"c{i}"].token_ids
+        assert crowded[f"c{i}"].valid == alone[i].valid
+
+
+def test_constrained_requests_are_never_drafted(tiny_model_dir):
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=256, block_size=16,
+                                 speculative="ngram", num_speculative_tokens=4))
+    outs = run(engine, [constrained(i) for i in range(3)])
+    assert all(out.draft_tokens == 0 and out.token_ids for out in outs.values())
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"json": {"type": "object", "properties": {"a": {"type": "strung"}}}}, "strung"),
+    ({"regex": "[a-"}, "unclosed character class"),
+    ({"grammar": "start: foo"}, "unknown name"),
+    ({"choice": []}, "non-empty list"),
+    ({"json": {}, "regex": "a"}, "exactly one of"),
+])
+def test_bad_specs_say_what_is_wrong(spec, says):
+    assert says in check(spec)
+    with pytest.raises(ValueError, match="structured_output"):
+        SamplingParams(structured_output=spec)

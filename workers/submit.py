@@ -1,0 +1,64 @@
+"""The one submit and cancel path that `pipeline submit` / `retry` and `pipeline serve` share.
+
+submit(): the broker is checked before anything exists, the job is made (a
+jobs.submission function: one pass that validates and shards the file, the capacity
+check, the ledger row), then its shards are sent on its queue; a job whose shards
+cannot be sent is failed at once, since it could never run. The errors are typed, and
+each caller renders them its own way (an exit code, an HTTP status): before anything
+is created, spec.InvalidInput, submission.OverCapacity, submission.EndpointMismatch,
+broker.BrokerUnavailable; after, EnqueueFailed.
+cancel(): request it, and finish the job at once when none of its shards is running.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs import ledger
+from jobs.finalize import abandon_job, finalize_job
+from jobs.ledger import JobStatus
+from jobs.settings import Settings
+from workers import broker
+
+
+class EnqueueFailed(RuntimeError):
+    """The job was made but its shards could not be sent: it has been failed."""
+
+    def __init__(self, job_id: str, cause: Exception):
+        self.job_id, self.cause = job_id, cause
+        super().__init__(f"job {job_id} failed: enqueueing its shards failed: {cause}")
+
+
+class NotCancellable(ValueError):
+    """The job has ended otherwise (completed, failed, expired): there is nothing to cancel."""
+
+    def __init__(self, job_id: str, status: str):
+        self.job_id, self.status = job_id, status
+        super().__init__(f"job {job_id} is already {status}; it cannot be cancelled")
+
+
+def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[[], tuple[str, list[int]]],
+           ) -> ledger.Job:
+    """Make a job with `create()` (returns its id and shard sizes) and queue its shards."""
+    broker.check_broker(settings.broker_url)   # no job may wait for a broker that is down
+    job_id, sizes = create()
+    with Session() as s:
+        job = ledger.get_job(s, job_id)
+    try:
+        broker.enqueue_job(settings, job_id, len(sizes), job.engine_key, job.priority, prefix=job.queue)
+    except Exception as e:
+        abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
+        raise EnqueueFailed(job_id, e) from None
+    return job
+
+
+def cancel(Session: sessionmaker[Session], root, job: ledger.Job) -> ledger.Job:
+    """Cancel a job: queued shards are dropped, running ones stop at their next step, what
+    finished is kept. Cancelling a cancelled (or cancelling) job again is no error."""
+    with Session() as s:
+        if not ledger.request_cancel(s, job.id) and job.status not in (JobStatus.CANCELLING, JobStatus.CANCELLED):
+            raise NotCancellable(job.id, job.status)
+    finalize_job(Session, root, job.id)   # at once when no shard is running
+    with Session() as s:
+        return ledger.get_job(s, job.id)
