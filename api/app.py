@@ -6,12 +6,14 @@ from the command line, queued for the same workers.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import batches, errors, files
+from api import batches, errors, files, models
 from api.limits import RequestLimits
 from jobs.settings import Settings
 from jobs.spec import Limits
@@ -25,6 +27,17 @@ class ServerConfig:
     engine_options: dict            # recorded with every job, as `pipeline submit` records them
     shard_size: int = 256
     limits: Limits = field(default_factory=Limits)
+    served_names: tuple[str, ...] = ()   # --served-model-name: the names lines may use instead
+
+    @property
+    def model_names(self) -> str | tuple[str, ...]:
+        """What a line's body.model is checked against (jobs.spec): the served names, else the model."""
+        return self.served_names or self.model
+
+    @property
+    def listed_models(self) -> list[str]:
+        """GET /v1/models: the served names, else the model's own name."""
+        return list(self.served_names) or [Path(self.model).name]
 
     @property
     def max_upload_bytes(self) -> int:
@@ -35,9 +48,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     # No /docs or /openapi.json: nothing is served without a key.
     app = FastAPI(title="batch-pipeline", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.config = config
+    app.state.started_at = int(time.time())   # a model's `created` in /v1/models
     errors.install(app)
     app.include_router(files.router, prefix="/v1")
     app.include_router(batches.router, prefix="/v1")
+    app.include_router(models.router, prefix="/v1")
     return app
 
 

@@ -84,7 +84,7 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         engine_options=config.engine_options, shard_size=config.shard_size, limits=config.limits,
         metadata=body.metadata, completion_window=body.completion_window, api_key_id=key.id, priority=priority,
         max_queued_requests=config.settings.max_queued_requests or None, queue=config.settings.queue,
-        endpoint=body.endpoint)
+        endpoint=body.endpoint, served_names=config.served_names)
     try:
         job = submit(config.settings, config.Session, create)
     except spec.InvalidInput as e:   # it was valid when uploaded: only a new --model can make it invalid

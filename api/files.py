@@ -58,7 +58,7 @@ async def upload_file(request: Request, key: ledger.ApiKey = Depends(caller)):
         if upload.fields.get("purpose") != "batch":
             raise ApiError(400, f"purpose must be 'batch', got {upload.fields.get('purpose')!r} (this server runs "
                                 "batches only)", param="purpose")
-        validation = await run_in_threadpool(spec.validate, path, config.limits, model=config.model)
+        validation = await run_in_threadpool(spec.validate, path, config.limits, model=config.model_names)
         if not validation.ok:
             raise invalid_input(upload.filename, validation, "nothing was uploaded")
 

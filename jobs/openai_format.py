@@ -39,6 +39,7 @@ _LINE_ERROR = re.compile(r"line (\d+): (.*)")
 
 def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
     """The batch output line of one result row: a response body, or an error for failed rows.
+    The body's model is the name the line used (its row's model), else `model` (the job's).
 
     Ids are hashes of the row's id and outcome, so exporting the same results twice gives
     the same file.
@@ -53,7 +54,7 @@ def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
         return {**line, "response": None, "error": {"code": code, "message": message}}
     if finish not in _SUCCESSES:
         raise ValueError(f"row {row['id']!r}: unknown finish_reason {finish!r}")
-    body = _body(row, digest, endpoint=endpoint, model=model, created=created)
+    body = _body(row, digest, endpoint=endpoint, model=row.get("model") or model, created=created)
     return {**line, "response": {"status_code": 200, "request_id": digest[32:64], "body": body}, "error": None}
 
 
@@ -63,6 +64,14 @@ def _body(row: dict, digest: str, *, endpoint: str, model: str, created: int) ->
              "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}
     text = row["output"] or ""
     choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+    if endpoint == CHAT and row.get("tool_call"):   # a forced call: the output is its arguments
+        if row["finish_reason"] == FinishReason.STOP:
+            choice["finish_reason"] = "tool_calls"
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{digest[:24]}", "type": "function",
+             "function": {"name": row["tool_call"], "arguments": text}}]}
+        return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,
+                "model": model, "choices": [choice], "usage": usage}
     if endpoint == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
         return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import MISSING, fields
 
 from pipeline.sampling_params import SamplingParams
@@ -20,6 +21,12 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _OPENAI_INPUT_KEY = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 STRUCTURED_KEYS = ("response_format", "structured_outputs")
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+# OpenAI body fields that change nothing about the answer in a batch: taken and ignored
+# (stream only when false, modalities only ["text"], both checked in openai_body).
+IGNORED_BODY_KEYS = frozenset({"user", "metadata", "store", "service_tier", "stream", "stream_options",
+                               "modalities"})
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class Bad(Exception):
@@ -29,7 +36,14 @@ class Bad(Exception):
 def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[str]):
     """Map an OpenAI request body onto our fields: (model, request fields, labels naming them in errors)."""
     key = _OPENAI_INPUT_KEY[endpoint]
-    for k in sorted(body.keys() - _OPENAI_BODY_KEYS - {key}):
+    chat_only = set(TOOL_KEYS) if endpoint == "/v1/chat/completions" else set()
+    if body.get("stream") not in (None, False):
+        problems.append(f"unsupported field 'stream' = {describe(body['stream'])}: a batch writes its answers to "
+                        "the results (leave stream out, or false)")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        problems.append(f"modalities: only [\"text\"] is supported, got {describe(modalities)}")
+    for k in sorted(body.keys() - _OPENAI_BODY_KEYS - chat_only - IGNORED_BODY_KEYS - {key}):
         hint = f" in a {endpoint} body (use {key})" if k in _OPENAI_INPUT_KEY.values() else ""
         problems.append(f"unsupported field {k!r}{hint}")
     if body.get(key) is None:
@@ -45,7 +59,8 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     model = body.get("model")
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
-    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS)}
+    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
+                                    *(TOOL_KEYS if endpoint == "/v1/chat/completions" else ()))}
     labels = {}
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
@@ -121,6 +136,68 @@ def _structured_outputs(name, v, _):
     return dict(v)
 
 
+def forced_tool(req: dict, problems: list[str]) -> tuple[list[dict] | None, str | None, dict | None]:
+    """A chat request's tools: (tools for the chat template, the function the answer must
+    call, its structured-output spec over that function's parameters), or Nones.
+
+    A call is forced by tool_choice naming a function, or "required" with one tool; the
+    answer is then a JSON object valid under the function's parameters (its arguments).
+    tool_choice "none" drops the tools. "auto" (the default with tools) and "required" with
+    several tools would need the model's own tool-call syntax parsed: refused, for now."""
+    tools, choice = req.get("tools"), req.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            problems.append("tool_choice needs tools")
+        return None, None, None
+    tools = check(_tools, "tools", tools, None, problems)
+    if tools is None or choice == "none":
+        return None, None, None
+    names = [tool["function"]["name"] for tool in tools]
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in names:
+            problems.append(f"tool_choice must name one of the tools ({', '.join(names)}) as "
+                            f'{{"type": "function", "function": {{"name": ...}}}}, got {describe(choice)}')
+            return None, None, None
+    elif choice == "required" and len(tools) == 1:
+        name = names[0]
+    else:
+        why = (f"tool_choice \"required\" with {len(tools)} tools" if choice == "required" else
+               f"tool_choice {describe(choice) if choice is not None else 'auto (the default with tools)'}")
+        problems.append(f"{why} is not supported: the model's own tool-call format is not parsed; force one "
+                        'function with tool_choice {"type": "function", "function": {"name": ...}}, or '
+                        '"required" with a single tool')
+        return None, None, None
+    parameters = next(t["function"] for t in tools if t["function"]["name"] == name).get(
+        "parameters", {"type": "object", "properties": {}})
+    spec = {"json": parameters}
+    if (problem := check_structured(spec)) is not None:
+        problems.append(f"tools: the parameters of {name!r}: {problem}")
+        return None, None, None
+    return tools, name, spec
+
+
+def _tools(name, v, _):
+    if not isinstance(v, list) or not 1 <= len(v) <= 128:
+        raise Bad(f"{name} must be a list of 1 to 128 function tools, got {describe(v)}")
+    seen = set()
+    for i, tool in enumerate(v):
+        where = f"{name}[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise Bad(f'{where} must be {{"type": "function", "function": {{"name", "parameters"}}}}, got {describe(tool)}')
+        fname = function.get("name")
+        if not isinstance(fname, str) or not _FUNCTION_NAME.fullmatch(fname):
+            raise Bad(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {describe(fname)}")
+        if fname in seen:
+            raise Bad(f"{where}: a second tool named {fname!r}")
+        seen.add(fname)
+        if not isinstance(function.get("parameters", {}), dict):
+            raise Bad(f"{where}.function.parameters must be a JSON schema object")
+    return v
+
+
 def request_timeout(req: dict, problems: list[str]) -> float | None:
     """A line's own timeout_s (seconds it may run once started), or None."""
     value = req.get("timeout_s")
@@ -171,6 +248,21 @@ def _stop(name, v, _):
             raise Bad(f"{name} strings must be non-empty (item {i} is empty)")
         _encodable(f"{name}[{i}]", s)
     return list(items)
+
+
+def _logit_bias(name, v, _):
+    """OpenAI's form: token ids as strings -> a bias in [-100, 100]; at most 300 of them."""
+    if not isinstance(v, dict):
+        raise Bad(f"{name} must be an object mapping token ids to biases, got {describe(v)}")
+    if len(v) > 300:
+        raise Bad(f"{name} has {len(v)} entries; at most 300 are allowed")
+    out = {}
+    for token, bias in v.items():
+        if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 9):
+            raise Bad(f"{name} keys must be token ids (digits), got {token!r}")
+        out[str(int(token))] = _float_in(lambda x: -100 <= x <= 100, "between -100 and 100")(
+            f"{name}[{token!r}]", bias, None)
+    return out
 
 
 def _bool(name, v, _):
@@ -288,6 +380,9 @@ SAMPLING_CHECKS = {
     "top_k": _int_in(0, None),
     "min_p": _float_in(lambda x: 0 <= x <= 1, "in [0, 1]"),
     "repetition_penalty": _float_in(lambda x: 0 < x <= 10, "in (0, 10]"),
+    "frequency_penalty": _float_in(lambda x: -2 <= x <= 2, "between -2 and 2"),
+    "presence_penalty": _float_in(lambda x: -2 <= x <= 2, "between -2 and 2"),
+    "logit_bias": _logit_bias,
     "seed": _int_in(-2**63, 2**63 - 1),
     "stop": _stop,
     "ignore_eos": _bool,

@@ -28,6 +28,8 @@ RESULT_COLUMNS = (
     ("shard", "int32"),
     ("attempt", "int32"),
     ("valid", "bool_"),            # structured output: the answer is complete under its grammar (null: free text)
+    ("tool_call", "string"),       # a forced tool call: the function whose arguments `output` is (else null)
+    ("model", "string"),           # the model name the line used (OpenAI's body.model; null: none given)
 )
 
 # Per-request token counts that are also kept summed: per shard and per job in the ledger,
@@ -37,12 +39,16 @@ SUMMED_COLUMNS = ("prompt_tokens", "output_tokens", "cached_tokens", "draft_toke
 SHARD_TOTALS = ("completed_requests", "failed_requests", *SUMMED_COLUMNS)
 
 
-def from_output(out: RequestOutput, shard: int, attempt: int) -> dict:
-    """The row of a request the engine finished (any finish reason)."""
+def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str | None = None,
+                model: str | None = None) -> dict:
+    """The row of a request the engine finished (any finish reason); tool_call: the function
+    its answer calls, when the request forced one (its output is the arguments); model:
+    the name the line gave its model (OpenAI output reports it)."""
     return {"id": out.id, "output": out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
-            "shard": shard, "attempt": attempt, "valid": out.valid}
+            "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,
+            "model": model}
 
 
 def error_row(request_id: str, error: str, shard: int, attempt: int) -> dict:
@@ -67,4 +73,4 @@ def _empty(request_id: str, reason: FinishReason, error: str | None, waited_s: f
            attempt: int) -> dict:
     return {"id": request_id, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0), "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
-            "shard": shard, "attempt": attempt, "valid": None}
+            "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None}

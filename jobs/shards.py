@@ -41,7 +41,7 @@ def write_shards(lines: Iterable[str], shard_dir: str | Path, shard_size: int) -
 
 
 def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Limits = Limits(), *,
-                       model: str | None = None) -> tuple[Validation, list[int]]:
+                       model: str | tuple[str, ...] | None = None) -> tuple[Validation, list[int]]:
     """Validate the input file `path` (against the job's `model`) and shard it, in one
     streaming pass; returns the validation and the shard sizes.
 

@@ -9,7 +9,8 @@ fields are in jobs.request_fields.
 
 A job runs one model: an OpenAI line whose body names another model than the job's is
 refused (the job's model as given, or its directory's name, e.g. "Qwen2.5-0.5B-Instruct"
-for /models/Qwen2.5-0.5B-Instruct, both match).
+for /models/Qwen2.5-0.5B-Instruct, both match; with served names, `--served-model-name
+gpt-4o-mini`, exactly those). Pass those names as `model`, a tuple, instead of the model.
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from typing import BinaryIO, Iterator
 
 from jobs.atomic import describe_file_type
 from jobs.request_fields import (
-    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, Bad, check, describe, openai_body, request_inputs,
-    request_timeout, sampling_settings, string, structured_output, too_deep,
+    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, forced_tool, openai_body,
+    request_inputs, request_timeout, sampling_settings, string, structured_output, too_deep,
 )
 
 _BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
-_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS}
+_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -70,16 +71,21 @@ class RequestSpec:
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None   # token id (a string, as in JSON) -> bias
     model: str | None = None
     timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
     structured_output: dict | None = None   # the grammar of the answer (pipeline.structured_output)
+    tools: list[dict] | None = None          # a chat request's tools, for its chat template
+    tool_call: str | None = None             # the function whose arguments the answer is (forced)
 
     def to_dict(self) -> dict:
-        """The shard-file line of docs/contracts.md; `model`, `timeout_s` and
-        `structured_output` only when the input gave them."""
+        """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
+        input gave them (other than their defaults)."""
         d = {name: getattr(self, name) for name in _SPEC_FIELDS}
-        for optional in _OPTIONAL_FIELDS:
-            if d[optional] is None:
+        for optional, default in _OPTIONAL_FIELDS.items():
+            if d[optional] == default:
                 del d[optional]
         return d
 
@@ -89,7 +95,9 @@ class RequestSpec:
 
 
 _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
-_OPTIONAL_FIELDS = ("model", "timeout_s", "structured_output")
+# Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
+_OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
+                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None}
 
 
 @dataclass
@@ -127,7 +135,7 @@ class InvalidInput(Exception):
         super().__init__(validation.report(f"{validation.num_errors} error(s) in the input file:", shown))
 
 
-def iter_lines(path, limits: Limits = Limits(), *, model: str | None = None,
+def iter_lines(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
                ) -> Iterator[tuple[int, RequestSpec | LineError]]:
     """Stream (line number, RequestSpec or LineError) over the request lines of `path`.
 
@@ -145,7 +153,7 @@ class Scan:
     the same pass that validates the file (jobs.shards.write_input_shards).
     """
 
-    def __init__(self, path, limits: Limits = Limits(), *, model: str | None = None):
+    def __init__(self, path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None):
         self.limits = limits
         self._reader = _Reader(path, limits, model)
         self.validation: Validation | None = None
@@ -165,7 +173,7 @@ class Scan:
                                      self._reader.endpoint)
 
 
-def validate(path, limits: Limits = Limits(), *, model: str | None = None) -> Validation:
+def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None) -> Validation:
     """Validate the whole file in one streaming pass; with `model`, the job's model, lines naming another are refused."""
     scan = Scan(path, limits, model=model)
     for _ in scan:
@@ -214,8 +222,13 @@ def _read_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None
 class _Reader:
     """One streaming pass over an input file; learns the file's format as it goes."""
 
-    def __init__(self, path, limits: Limits, job_model: str | None = None):
-        self.path, self.limits, self.job_model = path, limits, job_model
+    def __init__(self, path, limits: Limits, job_model: str | tuple[str, ...] | None = None):
+        # job_model: the job's model (a line may name it as given or by its directory's name),
+        # or the exact names it is served as (--served-model-name).
+        self.path, self.limits = path, limits
+        self.model_names = (None if job_model is None else _names_of(job_model) if isinstance(job_model, str)
+                            else tuple(job_model))
+        self.job_model = job_model if isinstance(job_model, str) else None
         self.input_format: str | None = None     # set by the first JSON-object line
         self.format_line: int | None = None
         self.endpoint: str | None = None         # set by the first OpenAI line with a known url
@@ -271,15 +284,27 @@ class _Reader:
         sampling = sampling_settings(req, labels, problems)
         timeout_s = request_timeout(req, problems)
         structured = structured_output(req, problems)
-        if model is not None and self.job_model is not None and model not in _names_of(self.job_model):
-            problems.append(f"model {model!r} is not the job's model {self.job_model!r}; "
-                            "a job runs one model (choose it with --model, or leave body.model out)")
+        tools, tool_call, tool_spec = forced_tool(req, problems)
+        if tool_spec is not None:
+            if structured is not None:
+                problems.append("a forced tool call already fixes the answer's form: give tools or "
+                                "response_format / structured_outputs, not both")
+            structured = tool_spec
+        if tools is not None and inputs["messages"] is None:
+            problems.append("tools need messages (a chat request)")
+        if model is not None and self.model_names is not None and model not in self.model_names:
+            if self.job_model is not None:
+                problems.append(f"model {model!r} is not the job's model {self.job_model!r}; a job runs one model "
+                                "(choose it with --model, name it with --served-model-name, or leave body.model out)")
+            else:
+                problems.append(f"model {model!r} is not a name of the job's model (served as "
+                                f"{', '.join(map(repr, self.model_names))}; --served-model-name adds names)")
         if rid is not None:
             self._claim(number, rid, problems)
         if problems:
             raise Bad("; ".join(problems))
         return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s,
-                           structured_output=structured)
+                           structured_output=structured, tools=tools, tool_call=tool_call)
 
     def _parse(self, number: int, raw: bytes) -> dict:
         if number == 1 and raw.startswith(_BOM):

@@ -31,8 +31,9 @@ def create_job_from_file(
 ) -> tuple[str, list[int]]:
     """Validate `path`, shard it under the data root and insert a queued job (owned by
     api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s,
-    max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on) and endpoint (the
-    url every OpenAI line must have, else EndpointMismatch; see _create_job).
+    max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on), endpoint (the
+    url every OpenAI line must have, else EndpointMismatch) and served_names (the names a
+    line's body.model may use instead of the model's own: --served-model-name).
 
     Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
@@ -79,13 +80,15 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 limits: spec.Limits, metadata: dict | None, completion_window: str | None = None,
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
-                queue: str | None = None, endpoint: str | None = None) -> tuple[str, list[int]]:
+                queue: str | None = None, endpoint: str | None = None,
+                served_names: tuple[str, ...] = ()) -> tuple[str, list[int]]:
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     job_paths = JobPaths(root, job_id)
     try:
         # One pass validates the file and writes its shards; a bad file leaves none.
-        validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits, model=model)
+        validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
+                                                     model=tuple(served_names) or model)
         if endpoint is not None and validation.endpoint not in (None, endpoint):
             raise EndpointMismatch(validation.endpoint, endpoint)
         check_capacity(Session, validation.num_requests, max_queued_requests)

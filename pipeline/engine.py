@@ -97,7 +97,7 @@ class Engine:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(request.messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, tokenize=False,
                                                       add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(request.prompt)
@@ -159,6 +159,10 @@ class Engine:
                            timeout_s=request.timeout_s)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
             return _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
+        bias = request.params.logit_bias
+        if bias and max(bias) >= self.structured.vocab_size:
+            return _error_output(request.id, f"logit_bias names token {max(bias)}; the model's vocabulary has "
+                                             f"{self.structured.vocab_size} tokens", len(prompt_ids), arrival)
         if request.params.structured_output is not None:
             try:
                 seq.matcher = self.structured.matcher(request.params.structured_output)

@@ -17,7 +17,7 @@ def resolve_model_dir(model: str | None) -> Path:
     if model is None:
         from pipeline.bundled import bundled_model_dir
         return bundled_model_dir()
-    return check_model_dir(model)
+    return check_model_dir(model, weights=False)   # _checkpoint_files says it, after the architecture
 
 
 def load_tokenizer(model_dir: Path):

@@ -26,14 +26,15 @@ def is_bundled(model: str | None) -> bool:
     return model is None or model == BUNDLED_NAME
 
 
-def check_model_dir(model: str) -> Path:
+def check_model_dir(model: str, *, weights: bool = True) -> Path:
     """The local model directory `model` names; ValueError saying what is missing if it is
-    not one (no directory, no config.json, unreadable config, no weights)."""
+    not one (no such directory, no config.json, an unreadable config, with weights=True no
+    safetensors weights: the loader says that itself, after the architecture)."""
     path = Path(model).expanduser()
     hint = ("Nothing is downloaded from a model hub: give the path of a local checkpoint, "
             f"or leave the model out to use the bundled {BUNDLED_NAME}.")
     if not path.is_dir():
-        raise ValueError(f"model {model!r} is not a directory. {hint}")
+        raise ValueError(f"model {model!r} is not a local Hugging Face model directory (no such directory). {hint}")
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"model {model!r} is not a local Hugging Face model directory (no config.json there). {hint}")
@@ -41,6 +42,6 @@ def check_model_dir(model: str) -> Path:
         json.loads(config.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"model {model!r}: its config.json cannot be read as JSON ({e})") from None
-    if not any(path.glob("*.safetensors")):
+    if weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model {model!r} has no *.safetensors weights")
     return path

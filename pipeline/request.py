@@ -41,6 +41,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     timeout_s: float | None = None
+    tools: list[dict] | None = None   # OpenAI function tools, given to the chat template with `messages`
 
     def __post_init__(self):
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))

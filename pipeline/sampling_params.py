@@ -17,6 +17,12 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from a token's logit, per time it occurs in the output so far
+    # (frequency) and once if it occurs at all (presence); -2..2, 0 is off.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # token id -> added to its logit (-100..100: -100 bans it, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -38,6 +44,13 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logit_bias:   # keys may come as strings (JSON, OpenAI's own form)
+            self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+            if any(token < 0 for token in self.logit_bias) or any(abs(b) > 100 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         if self.structured_output is not None:
             from pipeline.structured_output import check
 
@@ -47,3 +60,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a token's logit depends on the tokens before it (or a fixed bias moves it):
+        such rows are penalised in the sampler and never drafted."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))

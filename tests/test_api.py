@@ -244,6 +244,14 @@ def test_a_bad_upload_returns_the_line_numbered_errors_and_keeps_nothing(server)
     assert server.stored_files() == before and {f.id for f in client.files.list()} == files_before
 
 
+def test_models_lists_the_served_model_for_the_openai_client(server):
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+    assert client.models.retrieve("SmolLM2-135M-Instruct").object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o-mini")
+
+
 def test_another_key_gets_404_for_the_first_keys_batch_and_files(server, finished):
     upload, _, batch = finished
     other = server.client(server.keys["team-b"])

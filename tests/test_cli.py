@@ -285,7 +285,7 @@ def test_a_model_that_is_no_model_directory_is_refused_before_anything_is_made(r
     src = write_jsonl(tmp_path / "in.jsonl", requests(3))
     not_a_model = tmp_path / "just-a-dir"
     not_a_model.mkdir()
-    for model, says in ((tmp_path / "no-such-model", "is not a directory"), (not_a_model, "no config.json")):
+    for model, says in ((tmp_path / "no-such-model", "no such directory"), (not_a_model, "no config.json")):
         result = runner.invoke(main, [command, str(src), "--model", str(model), *FAST])
         assert result.exit_code == 2 and says in result.stderr, result.output
     assert not (data_root / "jobs").exists()

@@ -369,3 +369,27 @@ def test_a_file_of_bad_batch_lines_reports_every_line(data_root, db_url, tmp_pat
     assert f"{len(BAD_LINES)} error(s)" in done.stderr
     assert_nothing_created(runner, data_root, db_url)
     assert queued_messages(QUEUE) == 0
+
+
+def test_an_unchanged_openai_file_runs_under_its_served_model_names(runner, data_root, tmp_path, tiny_model_dir):
+    """Every line names "gpt-4o-mini" (or an alias): with --served-model-name they run, and
+    each output line reports the name its line used; the fields a batch cannot act on but
+    need not refuse (user, metadata, store, service_tier, stream false) are taken."""
+    ignored = {"user": "nightly", "metadata": {"team": "a"}, "store": False, "service_tier": "auto", "stream": False}
+    rows = [openai_line(f"c{i}", CHAT, {"model": name, "messages": CHATS["greet"], "temperature": 0,
+                                        "max_tokens": MAX_TOKENS, **ignored})
+            for i, name in enumerate(["gpt-4o-mini", "gpt-4o-mini", "our-alias"])]
+    src = write_jsonl(tmp_path / "batch.jsonl", rows)
+    done = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *FAST])
+    assert done.exit_code == 2 and "model 'gpt-4o-mini' is not the job's model" in done.stderr, done.output
+    done = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *FAST,
+                                "--served-model-name", "gpt-4o-mini", "--served-model-name", "our-alias"])
+    assert done.exit_code == 0, done.output
+    job_id = re.search(r"job (job_[0-9a-f]{16})", done.stderr)[1]
+    out = tmp_path / "out.jsonl"
+    assert runner.invoke(main, ["results", job_id, "--export", str(out), "--format", "openai"]).exit_code == 0
+    lines = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    models = {cid: ChatCompletion.model_validate(line["response"]["body"]).model for cid, line in lines.items()}
+    assert models == {"c0": "gpt-4o-mini", "c1": "gpt-4o-mini", "c2": "our-alias"}
+    assert read_results(JobPaths(data_root, job_id).results_dir)["model"].to_pylist() == [
+        "gpt-4o-mini", "gpt-4o-mini", "our-alias"]

@@ -98,7 +98,7 @@ def test_sampling_follows_the_filtered_distribution():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -1.0, 1.5, -2.0, 0.5]])
     seq = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0], output=[1])
-    Sampler(CPU, seed=0)._apply_repetition_penalty(logits, [seq])
+    Sampler(CPU, seed=0)._apply_penalties(logits, [seq])
     assert logits.tolist() == [[1.0, -2.0, 1.5, -2.0, 0.5]]
 
 
@@ -159,3 +159,44 @@ def test_sampler_leaves_the_global_torch_rng_alone():
 def test_invalid_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_frequency_presence_and_logit_bias_are_openais_definitions():
+    vocab = 6
+    base = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]] * 3)
+    output = (2, 2, 2, 4)   # token 2 three times, token 4 once
+    seqs = [make_seq(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25), output=output),
+            make_seq(SamplingParams(temperature=0, logit_bias={"5": -100, "0": 7.5}), output=output),
+            make_seq(SamplingParams(temperature=0), output=output)]   # all at their defaults: unchanged
+    logits = base.clone()
+    Sampler(CPU, seed=0)._apply_penalties(logits, seqs)
+    want = base.clone()
+    want[0, 2] -= 0.5 * 3 + 0.25
+    want[0, 4] -= 0.5 * 1 + 0.25
+    want[1, 5] -= 100
+    want[1, 0] += 7.5
+    assert torch.equal(logits, want) and logits.shape == (3, vocab)
+
+
+def test_a_token_biased_minus_100_never_comes_and_plus_100_always_does(tiny_model_dir):
+    from pipeline import Engine, EngineConfig, Request
+
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=128))
+
+    def tokens(**params) -> list[int]:
+        (out,) = engine.generate([Request("r", prompt="Once upon a time", params=SamplingParams(
+            max_tokens=24, ignore_eos=True, **params))])
+        return out.token_ids
+
+    plain = tokens(temperature=0)
+    assert tokens(temperature=0, logit_bias={}) == plain   # defaults change nothing
+    banned = max(set(plain), key=plain.count)
+    assert banned not in tokens(temperature=0, logit_bias={str(banned): -100})
+    assert banned not in tokens(temperature=1.0, seed=3, logit_bias={str(banned): -100})
+    assert set(tokens(temperature=0, logit_bias={"1234": 100})) == {1234}
+    favoured = tokens(temperature=0, logit_bias={"1234": 5})   # +5: it wins every step...
+    assert favoured.count(1234) == 24
+    penalised = tokens(temperature=0, logit_bias={"1234": 5}, frequency_penalty=2.0)   # ...until 5 - 2 * count
+    assert 1 <= penalised.count(1234) <= 3
+    (too_big,) = engine.generate([Request("r", prompt="Hi", params=SamplingParams(logit_bias={"999999": 1}))])
+    assert too_big.finish_reason == "error" and "vocabulary" in too_big.error

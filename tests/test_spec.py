@@ -379,7 +379,8 @@ def test_openai_line_errors(tmp_path):
     assert sorted(got) == sorted(expected)
     for line, fragment in expected.items():
         assert fragment in got[line], (line, got[line])
-    assert "missing body.messages" in got[11] and "unsupported field 'tools'" in got[12]
+    # tools are taken now (forced tool calls); an empty list of them is still a bad line
+    assert "missing body.messages" in got[11] and "tools must be a list of 1 to 128 function tools" in got[12]
 
 
 def test_openai_completions_prompt_must_be_one_string(tmp_path):
@@ -512,3 +513,23 @@ def test_numbers_out_of_any_range_duplicate_keys_and_cr_line_ends_are_line_error
     assert "top_p must be a number in (0, 1], got inf" in errors[4]
     assert "carriage return" in errors[5] and "CR alone" in errors[5]
     assert "seed must be between" in errors[6]
+
+
+def test_penalties_and_logit_bias_are_checked_and_kept(tmp_path):
+    path = write(tmp_path, [
+        {"id": "ok", "prompt": "x", "frequency_penalty": 1.5, "presence_penalty": -0.5, "logit_bias": {"42": -100}},
+        {"id": "f", "prompt": "x", "frequency_penalty": 2.5},
+        {"id": "b", "prompt": "x", "logit_bias": {"abc": 1}},
+        {"id": "v", "prompt": "x", "logit_bias": {"7": 101}},
+        batch_line("o", chat_body(presence_penalty=1, logit_bias={"5": 5})),
+    ])
+    errors = errors_by_line(path)
+    assert set(errors) == {2, 3, 4, 5}   # the OpenAI line in a pipeline-format file is refused as such
+    assert "frequency_penalty must be a number between -2 and 2" in errors[2]
+    assert "logit_bias keys must be token ids" in errors[3]
+    assert "between -100 and 100" in errors[4]
+    (ok,) = [item for _, item in iter_lines(path) if isinstance(item, RequestSpec)]
+    assert (ok.frequency_penalty, ok.presence_penalty, ok.logit_bias) == (1.5, -0.5, {"42": -100.0})
+    openai = write(tmp_path, [batch_line("o", chat_body(presence_penalty=1, logit_bias={"5": 5}))], name="o.jsonl")
+    (spec,) = [item for _, item in iter_lines(openai)]
+    assert (spec.presence_penalty, spec.logit_bias) == (1.0, {"5": 5.0})

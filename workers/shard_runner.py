@@ -144,7 +144,7 @@ def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
     # Every sampling setting a shard line carries (stop_token_ids is engine-only).
     params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)})
     return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params,
-                   timeout_s=spec.timeout_s or timeout_s)
+                   timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
 
 
 class InputUnreadable(OSError):
@@ -205,6 +205,7 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
     request_shutdown). The requests an expiry left unfinished get error rows
     (jobs.scheduling.expired_error), those a cancel left get cancelled rows."""
     job_id = job.id
+    by_id = {spec.id: spec for spec in specs}
     rows: dict[str, dict] = {}
     requests = []
     for spec in specs:
@@ -217,7 +218,8 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
     with _CancelPoll(Session, job_id) as cancel:
         stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
         for out in engine.generate(requests, should_stop=stop):
-            rows[out.id] = result_row.from_output(out, index, attempt)
+            spec = by_id[out.id]
+            rows[out.id] = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model)
             _notify(on_result, rows[out.id])
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
     # shutdown (both never committed).

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from pipeline.cli.job_commands import check_broker, check_model, sessions
+from pipeline.cli.job_commands import SERVED_MODEL_NAME, check_broker, check_model, sessions
 from pipeline.cli.options import engine_options, settings_options
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -17,8 +17,9 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@SERVED_MODEL_NAME
 @settings_options("broker_url", "max_upload_bytes")
-def serve_command(host, port, engine_options, shard_size, settings):
+def serve_command(host, port, engine_options, shard_size, served_model_names, settings):
     """Serve the OpenAI Files and Batches API at http://HOST:PORT/v1 until stopped.
 
     An OpenAI batch script works unchanged with base_url="http://HOST:PORT/v1" and a key of
@@ -39,7 +40,8 @@ def serve_command(host, port, engine_options, shard_size, settings):
     if host not in LOCAL_HOSTS:
         click.echo(f"warning: serving on {host}, beyond this machine, over plain HTTP: put TLS in front", err=True)
     config = ServerConfig(settings=settings, Session=Session, model=engine_options.get("model") or BUNDLED_NAME,
-                          engine_options=engine_options, shard_size=shard_size)
+                          engine_options=engine_options, shard_size=shard_size,
+                          served_names=tuple(served_model_names))
     serve(config, host, port)
 
 

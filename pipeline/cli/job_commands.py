@@ -49,6 +49,13 @@ REQUEST_TIMEOUT = click.option(
          "[default: none]")
 
 
+SERVED_MODEL_NAME = click.option(
+    "--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+    help="A name the lines' body.model may use for the job's model (repeatable: aliases), e.g. "
+         "gpt-4o-mini, so that an OpenAI batch file runs unchanged; the output lines report the name "
+         "each line used.  [default: the model as given, or its directory's name]")
+
+
 @click.command("submit")
 @click.argument("file", type=INPUT_FILE)
 @engine_options
@@ -60,9 +67,10 @@ REQUEST_TIMEOUT = click.option(
               help="When PIPELINE_MAX_QUEUED_REQUESTS would be passed, wait until there is room "
                    "instead of refusing the job (exit 4).")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
+@SERVED_MODEL_NAME
 @settings_options("broker_url", "max_queued_requests")
 def submit_command(file, engine_options, shard_size, priority, completion_window, request_timeout,
-                   wait_for_capacity, wait, settings):
+                   wait_for_capacity, wait, served_model_names, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -72,7 +80,7 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
                       request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
-                      queue=settings.queue)
+                      queue=settings.queue, served_names=tuple(served_model_names))
     job = _submit(Session, settings, lambda: _create_job(Session, settings, file, engine_options, shard_size,
                                                          scheduling, wait_for_capacity=wait_for_capacity))
     click.echo(job.id)
@@ -85,8 +93,9 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @REQUEST_TIMEOUT
+@SERVED_MODEL_NAME
 @settings_options("shards_in_flight", "metrics_port")
-def run_command(file, engine_options, shard_size, request_timeout, settings):
+def run_command(file, engine_options, shard_size, request_timeout, served_model_names, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -97,7 +106,7 @@ def run_command(file, engine_options, shard_size, request_timeout, settings):
     serve_metrics(settings)
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
-                                dict(request_timeout_s=request_timeout))
+                                dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names)))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
     _run_here(Session, settings, job_id, engine_options)
 
