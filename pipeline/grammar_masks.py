@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from pipeline.structured_output import grammar_of
@@ -25,8 +26,9 @@ class StructuredOutputs:
         self._tokenizer = None
         self._executor = None
         self._bitmask: torch.Tensor | None = None   # [rows, ceil(vocab / 32)] int32, on the host
-        self._words = torch.arange(vocab_size, device=device) >> 5   # the word of each token's bit
-        self._shifts = (torch.arange(vocab_size, device=device) & 31).to(torch.int32)
+        if device.type != "cpu":   # to unpack the bitmask on the device: each token's word and bit
+            self._words = torch.arange(vocab_size, device=device) >> 5
+            self._shifts = (torch.arange(vocab_size, device=device) & 31).to(torch.int32)
 
     def matcher(self, spec: dict):
         """A fresh matcher for spec; ValueError if the grammar cannot be built."""
@@ -53,16 +55,20 @@ class StructuredOutputs:
         from llguidance.torch import fill_next_token_bitmask_par
 
         if self._executor is None:
-            # On a CPU the forward pass has the cores; a constrained batch's masks take one.
-            self._executor = LLExecutor(num_threads=1 if self.device.type == "cpu" else min(8, os.cpu_count() or 1))
+            # The masks are computed between forward passes, while the cores are free.
+            self._executor = LLExecutor(num_threads=min(8, os.cpu_count() or 1))
         words = (self.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = torch.empty((max(len(rows), 64), words), dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
         bitmask = self._bitmask[:len(rows)]
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-        packed = bitmask.to(self.device, non_blocking=True)                       # [n, words]
-        allowed = (packed[:, self._words] >> self._shifts) & 1                      # [n, vocab]
+        if self.device.type == "cpu":   # numpy's unpackbits: one C pass, far cheaper than a gather
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+            disallowed = torch.from_numpy(bits[:, :self.vocab_size] == 0)            # [n, vocab]
+        else:
+            packed = bitmask.to(self.device, non_blocking=True)                       # [n, words]
+            disallowed = ((packed[:, self._words] >> self._shifts) & 1) == 0          # [n, vocab]
         index = torch.tensor(rows, device=self.device)
         constrained = logits.index_select(0, index)
-        logits.index_copy_(0, index, constrained.masked_fill_(allowed == 0, float("-inf")))
+        logits.index_copy_(0, index, constrained.masked_fill_(disallowed, float("-inf")))
