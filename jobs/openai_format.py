@@ -58,12 +58,28 @@ def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
     return {**line, "response": {"status_code": 200, "request_id": digest[32:64], "body": body}, "error": None}
 
 
+def _logprobs(entries: list[dict] | None, endpoint: str) -> dict | None:
+    """A row's token logprobs in the endpoint's shape: chat's {"content": [...]}, or the
+    completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if entries is None:
+        return None
+    if endpoint == CHAT:
+        return {"content": entries, "refusal": None}
+    offsets, at = [], 0
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def _body(row: dict, digest: str, *, endpoint: str, model: str, created: int) -> dict:
     usage = {"prompt_tokens": int(row["prompt_tokens"]), "completion_tokens": int(row["output_tokens"]),
              "total_tokens": int(row["prompt_tokens"]) + int(row["output_tokens"]),
              "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}
     text = row["output"] or ""
-    choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+    choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": _logprobs(row.get("logprobs"), endpoint)}
     if endpoint == CHAT and row.get("tool_call"):   # a forced call: the output is its arguments
         if row["finish_reason"] == FinishReason.STOP:
             choice["finish_reason"] = "tool_calls"

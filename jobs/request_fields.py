@@ -11,17 +11,19 @@ import math
 import re
 from dataclasses import MISSING, fields
 
-from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from pipeline.structured_output import KINDS as STRUCTURED_KINDS
 from pipeline.structured_output import check as check_structured
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+CHAT_ENDPOINT = "/v1/chat/completions"
+ENDPOINTS = (CHAT_ENDPOINT, "/v1/completions")
 # The roles of the OpenAI chat format; a chat template given another may render it as text or fail.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _OPENAI_INPUT_KEY = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 STRUCTURED_KEYS = ("response_format", "structured_outputs")
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+LOGPROB_KEYS = {"/v1/chat/completions": ("logprobs", "top_logprobs"), "/v1/completions": ("logprobs", "echo")}
 # OpenAI body fields that change nothing about the answer in a batch: taken and ignored
 # (stream only when false, modalities only ["text"], both checked in openai_body).
 IGNORED_BODY_KEYS = frozenset({"user", "metadata", "store", "service_tier", "stream", "stream_options",
@@ -37,6 +39,7 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     """Map an OpenAI request body onto our fields: (model, request fields, labels naming them in errors)."""
     key = _OPENAI_INPUT_KEY[endpoint]
     chat_only = set(TOOL_KEYS) if endpoint == "/v1/chat/completions" else set()
+    chat_only |= set(LOGPROB_KEYS[endpoint])
     if body.get("stream") not in (None, False):
         problems.append(f"unsupported field 'stream' = {describe(body['stream'])}: a batch writes its answers to "
                         "the results (leave stream out, or false)")
@@ -59,7 +62,7 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     model = body.get("model")
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
-    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
+    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *LOGPROB_KEYS[endpoint],
                                     *(TOOL_KEYS if endpoint == "/v1/chat/completions" else ()))}
     labels = {}
     if body.get("max_completion_tokens") is not None:
@@ -196,6 +199,29 @@ def _tools(name, v, _):
         if not isinstance(function.get("parameters", {}), dict):
             raise Bad(f"{where}.function.parameters must be a JSON schema object")
     return v
+
+
+def logprobs_setting(req: dict, endpoint: str | None, problems: list[str]) -> int | None:
+    """How many top alternatives to return with each token's logprob (0: the token's only),
+    or None for no logprobs. OpenAI's chat: logprobs true with top_logprobs 0..20; its
+    completions: logprobs 0..5 (echo, the prompt's logprobs, not yet); ours: logprobs 0..20."""
+    value = req.get("logprobs")
+    if endpoint == CHAT_ENDPOINT:
+        top = req.get("top_logprobs")
+        if value is not None and not isinstance(value, bool):
+            problems.append(f"logprobs must be true or false, got {describe(value)}")
+            return None
+        if top is not None and value is not True:
+            problems.append("top_logprobs needs logprobs: true")
+            return None
+        if not value:
+            return None
+        return 0 if top is None else check(_int_in(0, MAX_TOP_LOGPROBS), "top_logprobs", top, None, problems)
+    if endpoint is not None and req.get("echo") not in (None, False):
+        problems.append("echo (the prompt's logprobs) is not supported yet; leave it out or false")
+    if value is None:
+        return None
+    return check(_int_in(0, 5 if endpoint is not None else MAX_TOP_LOGPROBS), "logprobs", value, None, problems)
 
 
 def request_timeout(req: dict, problems: list[str]) -> float | None:

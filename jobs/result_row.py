@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pipeline.request import FinishReason, RequestOutput
 
-# (column, Arrow type): jobs.results makes the Parquet schema (RESULT_SCHEMA) from it.
+# (column, Arrow type): jobs.results makes the Parquet schema (RESULT_SCHEMA) from it (a
+# pyarrow type's name, or "token_logprobs": OpenAI's list of token logprob entries).
 RESULT_COLUMNS = (
     ("id", "string"),
     ("output", "string"),
@@ -30,6 +31,7 @@ RESULT_COLUMNS = (
     ("valid", "bool_"),            # structured output: the answer is complete under its grammar (null: free text)
     ("tool_call", "string"),       # a forced tool call: the function whose arguments `output` is (else null)
     ("model", "string"),           # the model name the line used (OpenAI's body.model; null: none given)
+    ("logprobs", "token_logprobs"),  # per output token: token, logprob, bytes, top_logprobs (null: not asked)
 )
 
 # Per-request token counts that are also kept summed: per shard and per job in the ledger,
@@ -48,7 +50,7 @@ def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str 
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,
-            "model": model}
+            "model": model, "logprobs": out.logprobs}
 
 
 def error_row(request_id: str, error: str, shard: int, attempt: int) -> dict:
@@ -73,4 +75,5 @@ def _empty(request_id: str, reason: FinishReason, error: str | None, waited_s: f
            attempt: int) -> dict:
     return {"id": request_id, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0), "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
-            "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None}
+            "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None,
+            "logprobs": None}

@@ -19,7 +19,12 @@ from jobs.paths import JobPaths, result_shard_files
 from jobs.result_row import RESULT_COLUMNS
 from jobs.shards import read_shard
 
-RESULT_SCHEMA = pa.schema([(name, getattr(pa, arrow_type)()) for name, arrow_type in RESULT_COLUMNS])
+_TOKEN = [("token", pa.string()), ("logprob", pa.float32()), ("bytes", pa.list_(pa.int32()))]
+# A list per row of {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}: OpenAI's
+# chat logprobs, queryable as nested columns (DuckDB: unnest(logprobs)).
+TOKEN_LOGPROBS = pa.list_(pa.struct([*_TOKEN, ("top_logprobs", pa.list_(pa.struct(_TOKEN)))]))
+_NESTED = {"token_logprobs": TOKEN_LOGPROBS}
+RESULT_SCHEMA = pa.schema([(name, _NESTED[t] if t in _NESTED else getattr(pa, t)()) for name, t in RESULT_COLUMNS])
 
 
 

@@ -24,12 +24,13 @@ from typing import BinaryIO, Iterator
 from jobs.atomic import describe_file_type
 from jobs.request_fields import (
     DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, forced_tool, openai_body,
-    request_inputs, request_timeout, sampling_settings, string, structured_output, too_deep,
+    logprobs_setting, request_inputs, request_timeout, sampling_settings, string, structured_output, too_deep,
 )
 
 _BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
-_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *TOOL_KEYS}
+_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
+                  *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -79,6 +80,7 @@ class RequestSpec:
     structured_output: dict | None = None   # the grammar of the answer (pipeline.structured_output)
     tools: list[dict] | None = None          # a chat request's tools, for its chat template
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
+    logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
 
     def to_dict(self) -> dict:
         """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
@@ -97,7 +99,7 @@ class RequestSpec:
 _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
 _OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
-                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None}
+                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None}
 
 
 @dataclass
@@ -284,6 +286,7 @@ class _Reader:
         sampling = sampling_settings(req, labels, problems)
         timeout_s = request_timeout(req, problems)
         structured = structured_output(req, problems)
+        logprobs = logprobs_setting(req, self.endpoint if fmt == "openai" else None, problems)
         tools, tool_call, tool_spec = forced_tool(req, problems)
         if tool_spec is not None:
             if structured is not None:
@@ -304,7 +307,7 @@ class _Reader:
         if problems:
             raise Bad("; ".join(problems))
         return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s,
-                           structured_output=structured, tools=tools, tool_call=tool_call)
+                           structured_output=structured, tools=tools, tool_call=tool_call, logprobs=logprobs)
 
     def _parse(self, number: int, raw: bytes) -> dict:
         if number == 1 and raw.startswith(_BOM):

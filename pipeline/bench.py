@@ -11,7 +11,8 @@ from pipeline.sampling_params import SamplingParams
 
 
 def read_workload(path: str) -> list[Request]:
-    """Lines as written by shared/bench/workload.py: id, prompt, max_tokens, temperature, ignore_eos."""
+    """Lines as written by shared/bench/workload.py: id, prompt, max_tokens, temperature, ignore_eos;
+    optionally logprobs and structured_output (to measure what they cost)."""
     requests = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -21,7 +22,8 @@ def read_workload(path: str) -> list[Request]:
                 row = json.loads(line)
                 params = SamplingParams(max_tokens=row.get("max_tokens", 256),
                                         temperature=row.get("temperature", 0.0),
-                                        ignore_eos=row.get("ignore_eos", False))
+                                        ignore_eos=row.get("ignore_eos", False), logprobs=row.get("logprobs"),
+                                        structured_output=row.get("structured_output"))
                 requests.append(Request(str(row.get("id", line_no)), prompt=row["prompt"], params=params))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}, line {line_no}: {e}") from None

@@ -70,6 +70,7 @@ class Engine:
             self.runner.graphs = graphs
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size, self.device)
+        self._token_texts: dict[int, str] = {}   # logprobs: each token's text
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
         self.num_steps = 0
 
@@ -214,7 +215,7 @@ class Engine:
             if any(self._append_token(seq, token) for token in tokens):   # stops at the first that ends it
                 seq.finish_time = now
                 self.scheduler.finish(seq)
-                finished.append(_output_of(seq))
+                finished.append(_output_of(seq, logprobs=self._logprobs_of(seq)))
             elif seq.draft_token_ids:
                 self.scheduler.discard_rejected(seq)
         return finished
@@ -230,6 +231,24 @@ class Engine:
             row += 1 + len(seq.draft_token_ids)
         self.structured.mask(logits, rows, matchers)
 
+    def _logprobs_of(self, seq: Sequence) -> list[dict] | None:
+        """seq's logprobs with each token as text and bytes (OpenAI's entries)."""
+        if seq.logprobs is None:
+            return None
+        entry = self._token_entry
+        return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                for token, logprob, top in seq.logprobs[:seq.num_output_tokens]]
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:   # each token id decoded once per engine (the vocabulary bounds it)
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _retire_timed_out(self) -> list[RequestOutput]:
         """End the sequences that ran past their timeout_s, keeping what they generated."""
         now = time.perf_counter()
@@ -239,7 +258,8 @@ class Engine:
             seq.finish_reason, seq.finish_time = FinishReason.TIMEOUT, now
             seq.valid = False if seq.matcher is not None else None
             self.scheduler.finish(seq)   # frees its blocks
-        return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s") for seq in expired]
+        return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s", logprobs=self._logprobs_of(seq))
+                for seq in expired]
 
     def _append_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; returns True when the sequence is finished."""
@@ -268,14 +288,15 @@ class Engine:
         return True
 
 
-def _output_of(seq: Sequence, error: str | None = None) -> RequestOutput:
+def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | None = None) -> RequestOutput:
     return RequestOutput(
         id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
         finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,
         output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
         ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
-        draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid)
+        draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid,
+        logprobs=logprobs)
 
 
 def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:

@@ -78,3 +78,6 @@ class RequestOutput:
     # A structured-output request: whether its answer is complete under the grammar (a
     # stop string or max_tokens can cut it short); None for an unconstrained one.
     valid: bool | None = None
+    # params.logprobs: per output token {"token", "logprob", "bytes", "top_logprobs": [...]}, as
+    # OpenAI's chat logprobs (token texts as the tokenizer decodes each one alone); else None.
+    logprobs: list[dict] | None = None

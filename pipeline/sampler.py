@@ -43,7 +43,37 @@ class Sampler:
                 tokens = drawn
             else:
                 tokens[self._to_device(np.asarray(sampled, dtype=np.int64))] = drawn
+        if any(s.logprobs is not None for s in seqs):
+            return self._with_logprobs(logits, tokens, seqs)
         return tokens.tolist()   # the step's one host transfer
+
+    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The tokens, and each asking row's logprobs appended to its sequence, in the same
+        one transfer: ids travel as float64 beside the logprobs (exact below 2**53)."""
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        k = max(seqs[i].params.logprobs for i in rows)
+        if len(rows) == len(seqs):   # every row asks (a job that wants logprobs usually does)
+            asking, chosen_tokens = logits, tokens
+        else:
+            index = self._to_device(np.asarray(rows, dtype=np.int64))
+            asking, chosen_tokens = logits.index_select(0, index), tokens.index_select(0, index)
+        # (log_softmax then a gather is faster on a CPU than logsumexp over the same rows)
+        logprobs = torch.log_softmax(asking.float(), dim=-1)                             # [rows, vocab]
+        chosen = logprobs.gather(1, chosen_tokens.unsqueeze(1)).squeeze(1)
+        # A token a grammar or a -100 bias ruled out has -inf: reported as OpenAI's -9999.0 (JSON has no -inf).
+        parts = [tokens.double(), chosen.double().clamp_min(-9999.0)]
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            parts += [top.values.double().clamp_min(-9999.0).flatten(), top.indices.double().flatten()]
+        values = torch.cat(parts).tolist()   # the step's one host transfer
+        n, m = len(seqs), len(rows)
+        token_ids = [int(t) for t in values[:n]]
+        top_values, top_ids = values[n + m:n + m + m * k], values[n + m + m * k:]
+        for j, i in enumerate(rows):
+            want = seqs[i].params.logprobs
+            alternatives = [(int(top_ids[j * k + r]), top_values[j * k + r]) for r in range(want)]
+            seqs[i].logprobs.append((token_ids[i], values[n + j], alternatives))
+        return token_ids
 
     def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Exp(1) noise [rows, vocab]: seeded rows from their own generator, the rest in one draw."""

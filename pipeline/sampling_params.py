@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -30,6 +32,10 @@ class SamplingParams:
     # One of {"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]},
     # {"grammar": lark}: the answer must follow it (pipeline.structured_output).
     structured_output: dict | None = None
+    # Return each output token's logprob and this many top alternatives (0..20); None: none.
+    # They are the log-softmax of the logits after penalties, logit bias and the grammar
+    # mask, before temperature and the top-k/top-p/min-p filters: the model's distribution.
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,6 +57,8 @@ class SamplingParams:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             if any(token < 0 for token in self.logit_bias) or any(abs(b) > 100 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.structured_output is not None:
             from pipeline.structured_output import check
 
@@ -67,3 +75,9 @@ class SamplingParams:
         such rows are penalised in the sampler and never drafted."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or bool(self.logit_bias))
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether a token can be drafted and verified without looking at the tokens before
+        it or reporting anything per token: no penalty, no bias, no logprobs."""
+        return not self.has_penalties and self.logprobs is None

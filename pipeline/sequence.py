@@ -59,6 +59,9 @@ class Sequence:
         # every output token; whether the answer was complete under it, once finished.
         self.matcher = None
         self.valid: bool | None = None
+        # params.logprobs: one (token id, logprob, [(top id, logprob), ...]) per output token.
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = (
+            [] if params.logprobs is not None else None)
 
     def is_timed_out(self, now: float) -> bool:
         return (self.timeout_s is not None and self.first_scheduled_time is not None

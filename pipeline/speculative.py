@@ -19,7 +19,8 @@ Verification then reads 1 + K rows of logits:
   Seeded requests take every random number from their own generator (still reproducible).
 The caller then rolls the KV cache back past the rejected drafts (Scheduler.discard_rejected).
 
-Requests with a penalty or a logit bias are never drafted: their distribution at each
+Requests with a penalty, a logit bias or logprobs are never drafted (logprobs would have to
+be reported for the accepted drafts too): their distribution at each
 draft position would depend on the drafts before it (the bias is not applied on the
 verification paths either); nor are structured-output requests (their
 grammar's mask at each draft position would too).
@@ -71,7 +72,7 @@ class Speculator:
         for seq in (s for s in running if s.num_uncomputed_tokens == 1):
             # Drafts past max_tokens are never used: the last new token is the verified one.
             k = min(self.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
-            if k > 0 and not seq.params.has_penalties and seq.matcher is None:
+            if k > 0 and seq.params.is_plain and seq.matcher is None:
                 seq.draft_token_ids = self.proposer.propose(seq.all_token_ids(), k)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:

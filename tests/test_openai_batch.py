@@ -317,7 +317,7 @@ BAD_LINES = {
     "unknown url": (bad("u", url="/v1/embeddings"), "unknown url"),
     "missing body": (bad("b", body=...), "missing body"),
     "duplicate custom_id": (bad("a"), "duplicate id 'a' (first on line 1)"),
-    "logprobs": (bad_body("l", logprobs=True), "unsupported field 'logprobs'"),
+    "logprobs": (bad_body("l", logprobs=True, top_logprobs=21), "top_logprobs must be between 0 and 20"),
     "n=2": (bad_body("n", n=2), "n > 1 is not supported"),
     "other url": (bad("o", url=COMPLETIONS, body={"prompt": "Hi"}), "every line of a batch must use the same url"),
     "other model": (bad_body("g", model="gpt-4o"), "model 'gpt-4o' is not the job's model"),
