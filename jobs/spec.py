@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from jobs.atomic import describe_file_type
+from jobs.answer_fields import forced_tool, logprobs_setting, structured_output
 from jobs.request_fields import (
-    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, forced_tool, openai_body,
-    logprobs_setting, request_inputs, request_timeout, sampling_settings, string, structured_output, too_deep,
+    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
+    request_inputs, request_timeout, sampling_settings, string, too_deep,
 )
 
 _BOM = b"\xef\xbb\xbf"

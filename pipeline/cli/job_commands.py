@@ -10,9 +10,10 @@ from jobs.settings import Settings
 from jobs.states import JobStatus, ShardStatus
 from pipeline.cli import render
 from pipeline.cli.errors import (
-    EXIT_BROKER, EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_TERMINATED, EXIT_USAGE, Fail,
+    EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail,
 )
 from pipeline.cli.options import FiniteFloat, engine_options, settings_options
+from pipeline.cli.running import run_here, wait_until_completed
 
 
 # FILE may be "-": standard input, read once into the job's own copy.
@@ -85,7 +86,7 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
                                                          scheduling, wait_for_capacity=wait_for_capacity))
     click.echo(job.id)
     if wait:
-        _wait_until_completed(Session, job.id)
+        wait_until_completed(Session, job.id)
 
 
 @click.command("run")
@@ -108,7 +109,7 @@ def run_command(file, engine_options, shard_size, request_timeout, served_model_
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
                                 dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names)))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
-    _run_here(Session, settings, job_id, engine_options)
+    run_here(Session, settings, job_id, engine_options)
 
 
 @click.command("retry")
@@ -158,12 +159,12 @@ def retry_command(job_id, only_failed, local, shard_size, priority, completion_w
         with Session() as s:
             options = ledger.get_job(s, new_id).engine_options
         click.echo(f"job {new_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
-        _run_here(Session, settings, new_id, options)
+        run_here(Session, settings, new_id, options)
         return
     new_id = _submit(Session, settings, create).id
     click.echo(new_id)
     if wait:
-        _wait_until_completed(Session, new_id)
+        wait_until_completed(Session, new_id)
 
 
 @click.command("resume")
@@ -196,7 +197,7 @@ def resume_command(job_id, settings):
         done = sum(sh.status in ShardStatus.terminal() for sh in ledger.get_shards(s, job_id))
     click.echo(f"job {job_id}: resuming here, {done} of {job.num_shards} shard(s) already done "
                f"({job.completed_requests + job.failed_requests} of {job.total_requests} requests)", err=True)
-    _run_here(Session, settings, job_id, job.engine_options)
+    run_here(Session, settings, job_id, job.engine_options)
 
 
 @click.command("cancel")
@@ -351,72 +352,3 @@ def worker_command_for(engine_options: dict) -> str:
         if name not in WORKER_FIELDS and value is not None:
             words += [f"--{name.replace('_', '-')}", str(value)]
     return " ".join(shlex.quote(w) for w in words)
-
-
-def _run_here(Session, settings: Settings, job_id: str, engine_options: dict) -> None:
-    """Run a job's shards in this process until it ends, with a progress bar and a summary.
-
-    Ctrl-C or SIGTERM stop it at the next engine step: the job is cancelled, what finished is kept.
-    """
-    from jobs import ledger
-    from workers import local_run
-
-    root = settings.data_dir
-    with Session() as s:
-        job = ledger.get_job(s, job_id)
-    bar = render.Progress(job.total_requests)
-    try:
-        with local_run.sigterm_as_interrupt(), local_run.cancelled_on_interrupt(Session, root, job_id):
-            with bar as advance:
-                bar.set(job.completed_requests + job.failed_requests, job.failed_requests)
-                job = local_run.run_job(Session, root, job_id, engine_options,
-                                        shards_in_flight=settings.shards_in_flight, lease_s=settings.lease_s,
-                                        on_result=lambda row: advance(row["finish_reason"]),
-                                        on_wait=_WaitNotes(bar))
-    except local_run.EngineDidNotStart as e:
-        raise Fail(f"job {job_id} failed: {e}", EXIT_JOB_NOT_COMPLETED) from None
-    except KeyboardInterrupt as e:
-        with Session() as s:
-            job = ledger.get_job(s, job_id)
-        how, code = ("terminated (SIGTERM)", EXIT_TERMINATED) if isinstance(e, local_run.Terminated) else \
-            ("interrupted", EXIT_INTERRUPTED)
-        raise Fail(f"{how}: job {job_id} {job.status} with {job.completed_requests} of {job.total_requests} "
-                   f"requests answered; `pipeline retry {job_id} --local` runs the rest", code) from None
-    render.print_summary(job)
-    if job.status != JobStatus.COMPLETED:
-        raise Fail(f"job {job_id} ended {job.status}", EXIT_JOB_NOT_COMPLETED)
-
-
-class _WaitNotes:
-    """run_job's on_wait: say once which shards are left to the live processes holding them."""
-
-    def __init__(self, bar: render.Progress):
-        self.bar, self.said = bar, None
-
-    def __call__(self, job, held) -> None:
-        self.bar.set(job.completed_requests + job.failed_requests, job.failed_requests)  # their commits
-        said = [(sh.index, sh.attempt) for sh in held]
-        if held and said != self.said:
-            self.bar.note("; ".join(f"shard {sh.index} is held by {sh.worker} (lease until "
-                                    f"{sh.lease_expires_at:%H:%M:%S} UTC)" for sh in held)
-                          + ": each is left to its holder, and taken over here if its lease expires")
-        self.said = said
-
-
-def _wait_until_completed(Session, job_id: str, poll_s: float = 1.0) -> None:
-    """Show a job's progress from the ledger until it ends; Fail unless it completed."""
-    from jobs import ledger
-
-    with Session() as s:
-        total = ledger.get_job(s, job_id).total_requests
-    bar = render.Progress(total)
-    with bar:
-        while True:
-            with Session() as s:
-                job = ledger.get_job(s, job_id)
-            bar.set(job.completed_requests + job.failed_requests, job.failed_requests)
-            if job.status in JobStatus.terminal():
-                break
-            time.sleep(poll_s)
-    if job.status != JobStatus.COMPLETED:
-        raise Fail(f"job {job_id} ended {job.status}", EXIT_JOB_NOT_COMPLETED)
