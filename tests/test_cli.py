@@ -315,6 +315,26 @@ def test_cancel_a_queued_job_finishes_it_at_once(runner, data_root, tmp_path, Se
     assert result.exit_code == 0, result.output  # cancelling twice is harmless
 
 
+def test_status_of_a_retried_job_points_at_its_retry(runner, data_root, tmp_path, Session):
+    import uuid
+
+    from worker_process import drop_queue
+
+    src = write_jsonl(tmp_path / "in.jsonl", requests())
+    job_id, _ = create_job_from_file(Session, data_root, src, model="m", engine_options={}, shard_size=2)
+    assert runner.invoke(main, ["cancel", job_id]).exit_code == 0
+    before = runner.invoke(main, ["status", job_id])
+    assert f"pipeline retry {job_id}" in before.stdout, before.output
+    queue = f"pipeline-test-cli-{uuid.uuid4().hex[:8]}"
+    try:
+        retried = runner.invoke(main, ["retry", job_id], env={"PIPELINE_QUEUE": queue})
+        assert retried.exit_code == 0, retried.output
+        after = runner.invoke(main, ["status", job_id])
+        assert f"retried as {retried.stdout.strip()}" in after.stdout and "pipeline retry" not in after.stdout
+    finally:
+        drop_queue(queue)
+
+
 def answered_ids(data_root, job_ids):
     """Ids with a successful answer (stop or length) in each job's results, counted over all of them."""
     return Counter(r["id"] for job_id in job_ids
@@ -450,3 +470,21 @@ def test_speculative_run_records_drafts_in_results_and_stats(runner, data_root, 
     assert stats["draft_tokens"] == drafted
     assert stats["acceptance_rate"] == pytest.approx(sum(r["accepted_tokens"] for r in spec.values()) / drafted)
     assert (job.draft_tokens, job.acceptance_rate) == (drafted, pytest.approx(stats["acceptance_rate"]))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root (CI runs as root)")
+def test_a_full_disk_is_one_clear_line_not_a_traceback(tmp_path, tiny_model_dir):
+    """`pipeline run` with its data directory on a 400 KiB filesystem that fills up."""
+    disk = tmp_path / "tiny-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)], check=True)
+    try:
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hello there " * 5, "max_tokens": 2}
+                                                  for i in range(600)])
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(src), "--model", str(tiny_model_dir),
+                               *FAST, "--shard-size", "10"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PIPELINE_DATA_DIR": str(disk / "data")})
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "the disk failed" in done.stderr and "No space left" in done.stderr

@@ -382,3 +382,13 @@ def test_migration_0004_gives_existing_jobs_the_key_of_their_engine(db_url, ledg
     with Session() as s:
         assert get_job(s, valid).engine_key == engine_key({"model": "/m/tiny", "dtype": "float32"})
         assert get_job(s, invalid).engine_key is None
+
+
+def test_the_newest_revision_by_file_name_is_alembics_head():
+    """ensure_schema's fast path (no Alembic import) trusts the file names: they must agree."""
+    from alembic.script import ScriptDirectory
+
+    from jobs.ledger.database import newest_revision
+    from migrations import alembic_config
+
+    assert newest_revision() == ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()

@@ -6,12 +6,46 @@ option bundles), render (what they print), errors (exit codes).
 """
 from __future__ import annotations
 
+import errno
+
 import click
 
 from pipeline.cli import api_commands, job_commands, ops_commands, query_commands
+from pipeline.cli.errors import Fail
+
+# Errors of the disk under the data directory or the ledger: one clear line, not a traceback.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+_STORAGE_WORDS = ("disk is full", "disk full", "no space left", "read-only", "disk i/o error")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def storage_error(e: BaseException) -> str | None:
+    """The message of a full or failing disk anywhere in e's chain of causes, else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(getattr(e, "orig", None) or e).strip().splitlines()[0] if str(e).strip() else ""
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return f"{e.strerror or text}" + (f": {e.filename}" if e.filename else "")
+        if type(e).__name__ == "OperationalError" and any(w in text.lower() for w in _STORAGE_WORDS):
+            return text
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            message = storage_error(e)
+            if message is None:
+                raise
+            raise Fail(f"the disk failed: {message}. Free space (the data directory, the ledger's disk), then "
+                       "run the command again; what was committed is kept, and a `pipeline run` cut short is "
+                       "finished by `pipeline resume JOB` (`pipeline list` shows it)") from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """Batch LLM inference: submit a JSONL of prompts, get Parquet results and a job ledger.
 

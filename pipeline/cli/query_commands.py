@@ -28,6 +28,7 @@ def status_command(job_id, as_json, settings):
         jobs = [get_job(s, job_id)] if job_id else ledger.list_jobs(s)
         counts = {job.id: ledger.job_counts(s, job.id) for job in jobs}
         shards = ledger.get_shards(s, job_id) if job_id else []
+        retries = ledger.retries_of(s, job_id) if job_id else []
     if as_json:
         objects = [render.batch(job, counts[job.id]) for job in jobs]
         click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
@@ -39,7 +40,7 @@ def status_command(job_id, as_json, settings):
                                                   f"`pipeline resume {job.id}` finishes it here, in place",
                              waiting=True)
         else:
-            render.print_job(job, counts[job_id], render.next_step(job, shards, now))
+            render.print_job(job, counts[job_id], render.next_step(job, shards, now, retries))
     else:
         render.print_jobs(jobs, waiting=_waiting_for_workers(settings, jobs))
 

@@ -104,8 +104,9 @@ def held_shards(shards, now) -> list:
             and sh.lease_expires_at >= now]
 
 
-def next_step(job, shards, now) -> str | None:
-    """What a user can do about a job that is not moving or has requests left, or None."""
+def next_step(job, shards, now, retries=()) -> str | None:
+    """What a user can do about a job that is not moving or has requests left, or None;
+    retries: the jobs made by retrying it (ledger.retries_of), oldest first."""
     if job.status not in JobStatus.terminal():
         held = held_shards(shards, now)
         if held:
@@ -114,6 +115,10 @@ def next_step(job, shards, now) -> str | None:
         return (f"no shard of it is running now; if no worker will take it (its `pipeline run` died, or no "
                 f"worker is left), `pipeline resume {job.id}` finishes it here, in place")
     unanswered = job.total_requests - job.completed_requests
+    if unanswered and retries:   # its unanswered requests went on in a retry: follow that one
+        last = retries[-1]
+        return (f"{unanswered} request(s) without an answer here were retried as {last.id} ({last.status}): "
+                f"`pipeline status {last.id}`")
     if unanswered:
         return (f"{unanswered} request(s) without an answer: `pipeline retry {job.id}` runs them again as a new job "
                 "(add --local to run it here, without a broker)")
