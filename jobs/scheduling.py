@@ -11,6 +11,10 @@ from datetime import timedelta
 # Highest first: a worker takes a higher-priority job's shards before a lower one's.
 PRIORITIES = ("high", "normal", "low")
 DEFAULT_PRIORITY = "normal"
+# How the broker carries them (workers.broker): kombu's Redis priority steps, stated for the
+# workers and producers alike, and the step each priority is sent with (lower goes first).
+PRIORITY_STEPS = [0, 3, 6, 9]
+MESSAGE_PRIORITY = {"high": 0, "normal": 3, "low": 6}
 
 # The error code (OpenAI's) of a request a job's completion window left without an answer.
 EXPIRED_CODE = "batch_expired"

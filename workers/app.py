@@ -17,10 +17,10 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Queue
 
+from jobs.scheduling import PRIORITY_STEPS
 from jobs.settings import Settings
 from pipeline.engine_key import engine_key
 from pipeline.host_memory import use_one_malloc_arena
-from workers.broker import PRIORITY_STEPS   # broker imports this module only inside its functions
 
 # First, before numpy and pyarrow start their threads: the engine steps in a thread of
 # its own and must share the main malloc arena (pipeline/host_memory.py). `pipeline

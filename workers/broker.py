@@ -10,7 +10,8 @@ priority: each list is first-in first-out). A job's priority maps to a step
 
 Shards are sent by task name (`app.send_task`), so producers (the CLI, recovery, a
 worker handing back its shard) never import the tasks module: the imports run one way,
-tasks -> recovery -> broker -> app.
+tasks -> recovery -> broker -> app (the app takes the priority steps from jobs.scheduling,
+not from here).
 """
 from __future__ import annotations
 
@@ -20,15 +21,11 @@ from collections.abc import Iterable
 
 import redis
 
-from jobs.scheduling import DEFAULT_PRIORITY
+from jobs.scheduling import DEFAULT_PRIORITY, MESSAGE_PRIORITY, PRIORITY_STEPS
 from jobs.settings import Settings, env_var
 
 RUN_SHARD = "pipeline.run_shard"  # the name workers.tasks registers the shard task under
 
-# kombu's Redis priority steps (its default, stated for the workers and producers alike)
-# and the step each job priority (jobs.scheduling.PRIORITIES) is sent with.
-PRIORITY_STEPS = [0, 3, 6, 9]
-MESSAGE_PRIORITY = {"high": 0, "normal": 3, "low": 6}
 _KOMBU_SEP = "\x06\x16"   # kombu.transport.redis.Channel.sep
 
 

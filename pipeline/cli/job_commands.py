@@ -6,6 +6,7 @@ import time
 
 import click
 
+from jobs.scheduling import PRIORITIES
 from jobs.settings import Settings
 from jobs.states import JobStatus, ShardStatus
 from pipeline.cli import render
@@ -33,7 +34,7 @@ def _check_window(ctx, param, value):
     return value
 
 
-PRIORITY = click.option("--priority", type=click.Choice(("high", "normal", "low")),
+PRIORITY = click.option("--priority", type=click.Choice(PRIORITIES),
                         help="Workers take higher-priority jobs' shards first (at their next shard "
                              "boundary); within a priority, first in first out.  [default: normal]")
 COMPLETION_WINDOW = click.option(
