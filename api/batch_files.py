@@ -23,9 +23,10 @@ def output_file_ids(Session, root, job) -> tuple[str | None, str | None]:
     the ones a cancel or an expiry left unrun are errors (batch_cancelled / batch_expired)."""
     ids = tuple(_file_id(job.id, kind) for kind in KINDS)
     with Session() as s:
-        have = {f.id for f in ledger.files_of_job(s, job.id)}
-    if have:   # written already: one of them deleted since stays deleted (both deleted: written anew)
-        return tuple(file_id if file_id in have else None for file_id in ids)
+        rows = ledger.files_of_job(s, job.id)
+    if rows:   # written already; a file deleted since stays deleted (its row is kept, marked)
+        kept = {f.id for f in rows if f.deleted_at is None}
+        return tuple(file_id if file_id in kept else None for file_id in ids)
     paths = [file_path(root, file_id) for file_id in ids]
     created = int((job.finished_at or job.created_at).timestamp())
     counts = write_openai_files(iter_job_rows(JobPaths(root, job.id), job.num_shards), *paths,

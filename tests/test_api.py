@@ -189,6 +189,12 @@ def test_a_chat_batch_runs_end_to_end_through_the_openai_client(server, finished
     assert deleted.deleted and f"{deleted.id}.jsonl" not in server.stored_files()
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(batch.error_file_id)
+    # Deleted stays deleted: the ended batch's files are written once, never again.
+    client.files.delete(batch.output_file_id)
+    again = Batch.model_validate(raw(client.batches.with_raw_response.retrieve(batch.id)))
+    assert (again.output_file_id, again.error_file_id) == (None, None)
+    assert not {f"{batch.output_file_id}.jsonl", f"{batch.error_file_id}.jsonl"} & set(server.stored_files())
+    assert batch.output_file_id not in {f.id for f in client.files.list()}
 
 
 def test_cancel_through_the_client_keeps_the_partial_results(server, finished):

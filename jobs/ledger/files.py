@@ -1,11 +1,11 @@
 """The rows of the HTTP API's files (the bytes live under the data root: jobs.paths.file_path)."""
 from __future__ import annotations
 
-from sqlalchemy import delete, select, tuple_
+from sqlalchemy import select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from jobs.ledger.models import File
+from jobs.ledger.models import File, utcnow
 
 
 def add_file(s: Session, **columns) -> File | None:
@@ -22,13 +22,15 @@ def add_file(s: Session, **columns) -> File | None:
 
 
 def get_file(s: Session, file_id: str) -> File | None:
+    """The file with that id; None if there is none or it was deleted."""
     row = s.get(File, file_id, populate_existing=True)
     s.commit()
-    return row
+    return None if row is None or row.deleted_at is not None else row
 
 
 def files_of_job(s: Session, job_id: str) -> list[File]:
-    """A batch's output and error files (none until they are written)."""
+    """A batch's output and error files (none until they are written; deleted ones too,
+    marked deleted_at)."""
     rows = list(s.scalars(select(File).where(File.job_id == job_id).execution_options(populate_existing=True)))
     s.commit()
     return rows
@@ -38,7 +40,7 @@ def list_files(s: Session, api_key_id: str | None, *, purpose: str | None = None
                limit: int = 100, newest_first: bool = True) -> list[File]:
     """A key's files, newest first (or oldest), those after `after` in that order only."""
     order = (File.created_at.desc(), File.id.desc()) if newest_first else (File.created_at, File.id)
-    stmt = select(File).where(File.api_key_id == api_key_id)
+    stmt = select(File).where(File.api_key_id == api_key_id, File.deleted_at.is_(None))
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
     if after is not None:
@@ -50,6 +52,8 @@ def list_files(s: Session, api_key_id: str | None, *, purpose: str | None = None
 
 
 def delete_file(s: Session, file_id: str) -> bool:
-    won = s.execute(delete(File).where(File.id == file_id)).rowcount == 1
+    """Mark the file deleted (its row stays, so a batch's output is never written again)."""
+    won = s.execute(update(File).where(File.id == file_id, File.deleted_at.is_(None))
+                    .values(deleted_at=utcnow())).rowcount == 1
     s.commit()
     return won

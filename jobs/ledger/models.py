@@ -163,3 +163,5 @@ class File(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    # Set when the file was deleted: the row stays (files_of_job still sees it), nothing serves it.
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
