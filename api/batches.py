@@ -99,8 +99,7 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         raise ApiError(429, f"no batch was created: {e}; try again later", code="rate_limit_exceeded") from None
     except EnqueueFailed as e:   # the job can never run: it failed at once, as `pipeline submit`'s does
         raise ApiError(503, f"batch {e.job_id} failed: enqueueing its shards failed: {e.cause}") from None
-    with config.Session() as s:
-        return batch_of(config, ledger.get_job(s, job.id))
+    return batch_of(config, job)   # the row submit read back once the job was made
 
 
 @router.get("/batches")

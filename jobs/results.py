@@ -27,7 +27,6 @@ _NESTED = {"token_logprobs": TOKEN_LOGPROBS}
 RESULT_SCHEMA = pa.schema([(name, _NESTED[t] if t in _NESTED else getattr(pa, t)()) for name, t in RESULT_COLUMNS])
 
 
-
 def write_shard_tmp(rows: list[dict], tmp_path: str | os.PathLike) -> None:
     """Write rows as one Parquet file and fsync it, ready for ledger.commit_shard to rename."""
     unknown = set().union(*rows) - set(RESULT_SCHEMA.names)

@@ -53,7 +53,8 @@ def create_job_from_stream(
     it is copied into the job's own file (JobPaths.stdin_copy, the job's input_path),
     at most limits.max_file_bytes of it, and that copy is validated and sharded."""
     job_id = new_job_id()
-    copy = JobPaths(root, job_id).stdin_copy
+    job_paths = JobPaths(root, job_id)
+    copy = job_paths.stdin_copy
     try:
         with atomic_write(copy, "wb") as f:
             size = _copy_at_most(stream, f, limits.max_file_bytes + 1)
@@ -64,7 +65,7 @@ def create_job_from_stream(
                            shard_size=shard_size, limits=limits, metadata=metadata,
                            completion_window=completion_window, **scheduling)
     except BaseException:
-        shutil.rmtree(copy.parent, ignore_errors=True)
+        _remove_unmade(job_paths)
         raise
 
 
@@ -214,7 +215,7 @@ def create_retry_job(
                 priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
-        shutil.rmtree(new_paths.dir, ignore_errors=True)
+        _remove_unmade(new_paths)
         raise
     return new_id, sizes
 

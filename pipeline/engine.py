@@ -256,7 +256,8 @@ class Engine:
         for seq in expired:
             seq.detokenizer.flush()
             seq.finish_reason, seq.finish_time = FinishReason.TIMEOUT, now
-            seq.valid = False if seq.matcher is not None else None
+            if seq.matcher is not None:
+                seq.valid = False   # cut short by its timeout
             self.scheduler.finish(seq)   # frees its blocks
         return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s", logprobs=self._logprobs_of(seq))
                 for seq in expired]
@@ -272,7 +273,8 @@ class Engine:
             seq.finish_reason = FinishReason.STOP
         elif seq.detokenizer.add_token(token):
             seq.finish_reason = FinishReason.STOP
-            seq.valid = False if matcher is not None else None   # cut before a stop string
+            if matcher is not None:
+                seq.valid = False   # cut before a stop string
             return True  # the text is already cut before the stop string
         elif matcher is not None and matcher.is_stopped():   # the grammar allows nothing more
             seq.finish_reason = FinishReason.STOP
@@ -280,11 +282,11 @@ class Engine:
             seq.finish_reason = FinishReason.LENGTH
         else:
             return False
-        if seq.detokenizer.flush():  # held-back text completed a stop string
+        cut = seq.detokenizer.flush()   # held-back text completed a stop string
+        if cut:
             seq.finish_reason = FinishReason.STOP
-            seq.valid = False if matcher is not None else None
-        elif matcher is not None:
-            seq.valid = matcher.is_accepting() and not matcher.is_error()
+        if matcher is not None:
+            seq.valid = not cut and matcher.is_accepting() and not matcher.is_error()
         return True
 
 

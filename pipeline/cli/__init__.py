@@ -23,7 +23,8 @@ def storage_error(e: BaseException) -> str | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        text = str(getattr(e, "orig", None) or e).strip().splitlines()[0] if str(e).strip() else ""
+        message = str(getattr(e, "orig", None) or e).strip()   # SQLAlchemy's: the driver's own
+        text = message.splitlines()[0] if message else ""
         if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
             return f"{e.strerror or text}" + (f": {e.filename}" if e.filename else "")
         if type(e).__name__ == "OperationalError" and any(w in text.lower() for w in _STORAGE_WORDS):

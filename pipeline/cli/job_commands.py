@@ -320,9 +320,7 @@ def _submit(Session, settings: Settings, create):
 
     try:
         job = submit(settings, Session, create)
-    except BrokerUnavailable as e:
-        raise Fail(str(e), EXIT_BROKER) from None
-    except EnqueueFailed as e:
+    except (BrokerUnavailable, EnqueueFailed) as e:   # before anything was made, or the job failed at once
         raise Fail(str(e), EXIT_BROKER) from None
     if waiting_for_worker(settings, job) is True:
         click.echo(f"warning: no live worker serves engine {job.engine_key} (model {job.model}): the job's "
