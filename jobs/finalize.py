@@ -1,8 +1,8 @@
 """Ending a job: statistics from its committed results, then its final ledger status.
 
 An expiring job (its completion window passed) ends "expired": first every shard that
-never ran gets one error row per request (jobs.scheduling.expired_error), so each
-request id appears exactly once in the results. A job whose requests cannot all get a
+never ran gets one error row per request and choice (jobs.scheduling.expired_error), so
+each (id, choice) appears exactly once in the results. A job whose requests cannot all get a
 row (a shard failed where its input could not be read, and it cannot be read here
 either) ends "failed", never "completed".
 
@@ -124,11 +124,11 @@ def _write_missing_rows(s, job_paths: JobPaths, job) -> str | None:
             missing.append(f"shard {shard.index} ({shard.num_requests} request(s)) has no results: {error}"
                            + ("" if str(e) in error else f"; its input cannot be read: {e}"))
             continue
-        rows = [result_row.error_row(spec.id, error, shard.index, shard.attempt) for spec in specs]
+        rows = result_row.error_rows(specs, error, shard.index, shard.attempt)
         tmp = job_paths.tmp_result(shard.index, 0, by_reaper=True)   # attempt 0: no worker's name
         write_shard_tmp(rows, tmp)
         replace_durably(tmp, final)
-        ledger.count_error_rows(s, job.id, shard.index, len(rows))
+        ledger.count_error_rows(s, job.id, shard.index, len(specs))   # requests, whatever their n
     if not missing:
         return None
     lost = len(missing)

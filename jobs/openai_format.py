@@ -7,6 +7,7 @@ the `openai` package (Batch, ChatCompletion, Completion), which the tests valida
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -37,24 +38,29 @@ _ERROR_CODES = {FinishReason.ERROR: "request_failed", FinishReason.CANCELLED: "b
 _LINE_ERROR = re.compile(r"line (\d+): (.*)")
 
 
-def output_line(row: dict, *, endpoint: str, model: str, created: int) -> dict:
-    """The batch output line of one result row: a response body, or an error for failed rows.
+def output_line(rows: dict | list[dict], *, endpoint: str, model: str, created: int) -> dict:
+    """The batch output line of one request: its result row, or the rows of its n choices (in
+    choice order). A response body holding every choice, or an error when a choice failed.
     The body's model is the name the line used (its row's model), else `model` (the job's).
 
-    Ids are hashes of the row's id and outcome, so exporting the same results twice gives
+    Ids are hashes of the rows' ids and outcomes, so exporting the same results twice gives
     the same file.
     """
-    finish = row["finish_reason"]
-    digest = hashlib.sha256(json.dumps(
-        [row["id"], row.get("output"), row.get("error"), finish], ensure_ascii=False).encode()).hexdigest()
-    line = {"id": f"batch_req_{digest[:32]}", "custom_id": row["id"]}
-    if finish in _ERROR_CODES:
-        message = row.get("error") or f"the request was {finish}"
-        code = error_code(row.get("error")) or _ERROR_CODES[finish]
-        return {**line, "response": None, "error": {"code": code, "message": message}}
-    if finish not in _SUCCESSES:
-        raise ValueError(f"row {row['id']!r}: unknown finish_reason {finish!r}")
-    body = _body(row, digest, endpoint=endpoint, model=row.get("model") or model, created=created)
+    rows = [rows] if isinstance(rows, dict) else rows
+    first = rows[0]
+    outcomes = [[r["id"], r.get("output"), r.get("error"), r["finish_reason"]] for r in rows]
+    digest = hashlib.sha256(json.dumps(outcomes[0] if len(rows) == 1 else outcomes,
+                                       ensure_ascii=False).encode()).hexdigest()
+    line = {"id": f"batch_req_{digest[:32]}", "custom_id": first["id"]}
+    for row in rows:
+        finish = row["finish_reason"]
+        if finish in _ERROR_CODES:   # a request is answered whole or not at all, as OpenAI's are
+            message = row.get("error") or f"the request was {finish}"
+            code = error_code(row.get("error")) or _ERROR_CODES[finish]
+            return {**line, "response": None, "error": {"code": code, "message": message}}
+        if finish not in _SUCCESSES:
+            raise ValueError(f"row {row['id']!r}: unknown finish_reason {finish!r}")
+    body = _body(rows, digest, endpoint=endpoint, model=first.get("model") or model, created=created)
     return {**line, "response": {"status_code": 200, "request_id": digest[32:64], "body": body}, "error": None}
 
 
@@ -74,29 +80,38 @@ def _logprobs(entries: list[dict] | None, endpoint: str) -> dict | None:
             "text_offset": offsets}
 
 
-def _body(row: dict, digest: str, *, endpoint: str, model: str, created: int) -> dict:
-    usage = {"prompt_tokens": int(row["prompt_tokens"]), "completion_tokens": int(row["output_tokens"]),
-             "total_tokens": int(row["prompt_tokens"]) + int(row["output_tokens"]),
-             "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}
+def _body(rows: list[dict], digest: str, *, endpoint: str, model: str, created: int) -> dict:
+    """The response body: the prompt counted once, the completion tokens of every choice."""
+    first = rows[0]
+    completion_tokens = sum(int(r["output_tokens"]) for r in rows)
+    usage = {"prompt_tokens": int(first["prompt_tokens"]), "completion_tokens": completion_tokens,
+             "total_tokens": int(first["prompt_tokens"]) + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": int(first.get("cached_tokens") or 0)}}
+    choices = [_choice(row, digest, endpoint) for row in rows]
+    if endpoint == CHAT:
+        return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,
+                "model": model, "choices": choices, "usage": usage}
+    return {"id": f"cmpl-{digest[:29]}", "object": "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage}
+
+
+def _choice(row: dict, digest: str, endpoint: str) -> dict:
+    if endpoint not in (CHAT, COMPLETIONS):
+        raise ValueError(f"unknown endpoint {endpoint!r} (expected {CHAT} or {COMPLETIONS})")
     text = row["output"] or ""
-    choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": _logprobs(row.get("logprobs"), endpoint)}
-    if endpoint == CHAT and row.get("tool_call"):   # a forced call: the output is its arguments
+    choice = {"index": row.get("choice") or 0, "finish_reason": row["finish_reason"],
+              "logprobs": _logprobs(row.get("logprobs"), endpoint)}
+    if endpoint == COMPLETIONS:
+        choice["text"] = text
+    elif row.get("tool_call"):   # a forced call: the output is its arguments
         if row["finish_reason"] == FinishReason.STOP:
             choice["finish_reason"] = "tool_calls"
         choice["message"] = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": f"call_{digest[:24]}", "type": "function",
+            {"id": f"call_{digest[:24]}" + (f"_{choice['index']}" if choice["index"] else ""), "type": "function",
              "function": {"name": row["tool_call"], "arguments": text}}]}
-        return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage}
-    if endpoint == CHAT:
+    else:
         choice["message"] = {"role": "assistant", "content": text}
-        return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage}
-    if endpoint == COMPLETIONS:
-        choice["text"] = text
-        return {"id": f"cmpl-{digest[:29]}", "object": "text_completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage}
-    raise ValueError(f"unknown endpoint {endpoint!r} (expected {CHAT} or {COMPLETIONS})")
+    return choice
 
 
 def is_error_line(line: dict) -> bool:
@@ -106,7 +121,8 @@ def is_error_line(line: dict) -> bool:
 
 def write_openai_files(rows: Iterable[dict], output_path, error_path, *,
                        endpoint: str, model: str, created: int, overwrite: bool = False) -> tuple[int, int]:
-    """Stream result rows into the batch output file (successes) and error file (failures).
+    """Stream result rows into the batch output file (successes) and error file (failures), one
+    line per request (the rows of a request's choices are consecutive, as a shard writes them).
 
     Both are written under temporary names and renamed at the end, so a reader never sees
     half a file. Returns (successes, errors). Before anything is written, raises
@@ -121,8 +137,8 @@ def write_openai_files(rows: Iterable[dict], output_path, error_path, *,
     counts = [0, 0]
     with (atomic_write(output_path, overwrite=overwrite) as out,
           atomic_write(error_path, overwrite=overwrite) as err):
-        for row in rows:
-            line = output_line(row, endpoint=endpoint, model=model, created=created)
+        for _, request_rows in itertools.groupby(rows, key=lambda row: row["id"]):   # its choices, in order
+            line = output_line(list(request_rows), endpoint=endpoint, model=model, created=created)
             failed = is_error_line(line)
             (err if failed else out).write(json.dumps(line, ensure_ascii=False) + "\n")
             counts[failed] += 1

@@ -28,6 +28,9 @@ IGNORED_BODY_KEYS = frozenset({"user", "metadata", "store", "service_tier", "str
                                "modalities"})
 
 
+MAX_CHOICES = 128   # n: answers to one request (its prompt computed once, its KV blocks shared)
+
+
 class Bad(Exception):
     """One problem with one line; its message is what the user reads."""
 
@@ -48,14 +51,6 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
         problems.append(f"unsupported field {k!r}{hint}")
     if body.get(key) is None:
         problems.append(f"missing body.{key}")
-    n = body.get("n")
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            problems.append(f"n must be an integer, got {describe(n)}")
-        elif n > 1:
-            problems.append(f"n > 1 is not supported (got n={n}); repeat the request on several lines instead")
-        elif n < 1:
-            problems.append(f"n must be 1, got {n}")
     model = body.get("model")
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
@@ -279,10 +274,11 @@ SAMPLING_CHECKS = {
     "seed": int_in(-2**63, 2**63 - 1),
     "stop": _stop,
     "ignore_eos": _bool,
+    "n": int_in(1, MAX_CHOICES),
 }
 
 # Their defaults are the engine's (an absent or null setting gets it).
 SAMPLING_DEFAULTS = {f.name: f.default_factory() if f.default is MISSING else f.default
                      for f in fields(SamplingParams) if f.name in SAMPLING_CHECKS}
 # Body fields of an OpenAI batch line we honour; top_k and the rest are extensions.
-_OPENAI_BODY_KEYS = {"model", "n", "max_completion_tokens", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS}
+_OPENAI_BODY_KEYS = {"model", "max_completion_tokens", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS}

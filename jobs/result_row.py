@@ -1,7 +1,8 @@
 """The one result row: its columns, every way a row is made, and the columns summed.
 
 A row is a plain dict with exactly RESULT_COLUMNS' fields (what pyarrow writes and
-readers get back). It is made here only: from the engine's RequestOutput, for a request
+readers get back), one per answer: a request with n choices has n rows, (id, choice) with
+choice 0 .. n - 1, and every such pair is in a job's results exactly once. It is made here only: from the engine's RequestOutput, for a request
 that failed before or instead of running (an error, an expired window, a shard given up),
 or for one a cancel stopped. A new per-request figure is a field of RequestOutput and a
 column here; if it is summed, also a name in SUMMED_COLUMNS (plus its ledger columns and
@@ -15,6 +16,7 @@ from pipeline.request import FinishReason, RequestOutput
 # pyarrow type's name, or "token_logprobs": OpenAI's list of token logprob entries).
 RESULT_COLUMNS = (
     ("id", "string"),
+    ("choice", "int32"),           # which of the request's n answers (0 .. n - 1; null: older results)
     ("output", "string"),
     ("prompt_tokens", "int32"),
     ("output_tokens", "int32"),
@@ -46,34 +48,57 @@ def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str 
     """The row of a request the engine finished (any finish reason); tool_call: the function
     its answer calls, when the request forced one (its output is the arguments); model:
     the name the line gave its model (OpenAI output reports it)."""
-    return {"id": out.id, "output": out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
+    return {"id": out.id, "choice": out.choice, "output": out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,
             "model": model, "logprobs": out.logprobs}
 
 
-def error_row(request_id: str, error: str, shard: int, attempt: int) -> dict:
-    """The row of a request that failed without output (finish_reason "error")."""
-    return _empty(request_id, FinishReason.ERROR, error, 0.0, shard, attempt)
+def error_row(request_id: str, error: str, shard: int, attempt: int, choice: int = 0) -> dict:
+    """The row of a request (one choice of it) that failed without output (finish_reason "error")."""
+    return _empty(request_id, choice, FinishReason.ERROR, error, 0.0, shard, attempt)
 
 
-def cancelled_row(request_id: str, waited_s: float, shard: int, attempt: int) -> dict:
-    """The row of a request a cancel stopped: it waited waited_s and got nothing."""
-    return _empty(request_id, FinishReason.CANCELLED, None, waited_s, shard, attempt)
+def cancelled_row(request_id: str, waited_s: float, shard: int, attempt: int, choice: int = 0) -> dict:
+    """The row of a request (one choice of it) a cancel stopped: it waited waited_s and got nothing."""
+    return _empty(request_id, choice, FinishReason.CANCELLED, None, waited_s, shard, attempt)
+
+
+def error_rows(specs, error: str, shard: int, attempt: int) -> list[dict]:
+    """An error row for every choice of every request (specs: jobs.spec.RequestSpec)."""
+    return [error_row(spec.id, error, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
+
+
+def cancelled_rows(specs, waited_s: float, shard: int, attempt: int) -> list[dict]:
+    """A cancelled row for every choice of every request."""
+    return [cancelled_row(spec.id, waited_s, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
+
+
+def request_outcome(reasons: list[FinishReason]) -> FinishReason:
+    """The outcome that counts for a request, from its choices' finish reasons: a failure if
+    any failed (retry runs the whole request again), a success if all succeeded, else cancelled."""
+    if any(r.is_failure for r in reasons):
+        return FinishReason.ERROR
+    return FinishReason.STOP if all(r.is_success for r in reasons) else FinishReason.CANCELLED
 
 
 def shard_totals(rows: list[dict]) -> dict[str, int]:
-    """SHARD_TOTALS over a shard's rows: what its commit adds to the ledger."""
-    reasons = [FinishReason(r["finish_reason"]) for r in rows]
-    return {"completed_requests": sum(r.is_success for r in reasons),
-            "failed_requests": sum(r.is_failure for r in reasons),
+    """SHARD_TOTALS over a shard's rows: what its commit adds to the ledger. Requests are
+    counted once whatever their n (request_outcome), tokens over every choice."""
+    choices: dict[str, list[FinishReason]] = {}
+    for r in rows:
+        choices.setdefault(r["id"], []).append(FinishReason(r["finish_reason"]))
+    outcomes = [request_outcome(reasons) for reasons in choices.values()]
+    return {"completed_requests": sum(r.is_success for r in outcomes),
+            "failed_requests": sum(r.is_failure for r in outcomes),
             **{name: sum(r[name] or 0 for r in rows) for name in SUMMED_COLUMNS}}
 
 
-def _empty(request_id: str, reason: FinishReason, error: str | None, waited_s: float, shard: int,
+def _empty(request_id: str, choice: int, reason: FinishReason, error: str | None, waited_s: float, shard: int,
            attempt: int) -> dict:
-    return {"id": request_id, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0), "finish_reason": reason.value,
+    return {"id": request_id, "choice": choice, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0),
+            "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
             "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None,
             "logprobs": None}

@@ -62,7 +62,7 @@ def iter_result_rows(results_dir: str | os.PathLike, columns: list[str] | None =
 
 def iter_job_rows(job_paths: JobPaths, num_shards: int) -> Iterator[dict]:
     """A row for every request of a job, in input order: each shard's committed rows, or for a
-    shard that never ran (one a cancel or an expiry left) a cancelled row per request of its
+    shard that never ran (one a cancel or an expiry left) a cancelled row per request (and choice) of its
     input, so that exports name every request. A shard whose input is gone too is skipped."""
     for index in range(num_shards):
         final = job_paths.result_shard(index)
@@ -73,7 +73,7 @@ def iter_job_rows(job_paths: JobPaths, num_shards: int) -> Iterator[dict]:
             specs = read_shard(job_paths.input_shard(index))
         except OSError:
             continue
-        yield from (result_row.cancelled_row(spec.id, 0.0, index, 0) for spec in specs)
+        yield from result_row.cancelled_rows(specs, 0.0, index, 0)
 
 
 def export_jsonl(results_dir: str | os.PathLike, out_path: str | os.PathLike, *, overwrite: bool = False) -> int:

@@ -82,6 +82,7 @@ class RequestSpec:
     tools: list[dict] | None = None          # a chat request's tools, for its chat template
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
     logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
+    n: int = 1                               # answers wanted: one result row per choice
 
     def to_dict(self) -> dict:
         """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
@@ -100,7 +101,8 @@ class RequestSpec:
 _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
 _OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
-                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None}
+                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
+                    "n": 1}
 
 
 @dataclass

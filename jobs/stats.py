@@ -14,6 +14,7 @@ from jobs.results import read_results
 from pipeline.request import FinishReason
 
 _SUCCESSES = pa.array([reason.value for reason in FinishReason if reason.is_success])
+_FAILURES = pa.array([reason.value for reason in FinishReason if reason.is_failure])
 
 _INT_KEYS = ("total_requests", "completed_requests", "failed_requests", *SUMMED_COLUMNS,
              "constrained_requests", "constrained_valid")
@@ -27,8 +28,10 @@ STATS_SCHEMA = pa.schema([("job_id", pa.string())]
 def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     """Counts, token totals, throughput and latency percentiles of a job's results.
 
-    total_requests counts result rows; completed are rows finished by "stop" or "length",
-    failed are "error" rows ("cancelled" rows count in the total only). Percentiles
+    total_requests counts requests (a request with n choices has n rows: tokens count over
+    all of them); completed are those whose every choice finished by "stop" or "length",
+    failed those with an "error" or "timeout" choice (jobs.result_row.request_outcome;
+    cancelled ones count in the total only). Percentiles
     (linear interpolation) are over completed rows, so that truncated cancelled requests
     do not skew them; None when there are none. prefix_hit_rate is the share of prompt
     tokens served from the engine's prefix cache (None without prompt tokens). acceptance_rate
@@ -36,19 +39,18 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     constrained_requests counts the structured-output answers, constrained_valid those
     complete under their grammar. Throughputs are None unless wall_seconds > 0.
     """
-    table = read_results(results_dir, columns=[*SUMMED_COLUMNS, "finish_reason", "ttft_s", "latency_s", "valid"])
+    table = read_results(results_dir, columns=["id", "choice", *SUMMED_COLUMNS, "finish_reason", "ttft_s",
+                                               "latency_s", "valid"])
     reason = table["finish_reason"]
     ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
+    failed = pc.is_in(reason, value_set=_FAILURES)
     sums = {name: _sum(table[name]) for name in SUMMED_COLUMNS}
     prompt_tokens, output_tokens = sums["prompt_tokens"], sums["output_tokens"]
     cached_tokens, draft_tokens, accepted_tokens = sums["cached_tokens"], sums["draft_tokens"], sums["accepted_tokens"]
     latency = _percentiles(table["latency_s"].filter(ok), (50, 95, 99))
     ttft = _percentiles(table["ttft_s"].filter(ok), (50, 95))
     return {
-        "total_requests": table.num_rows,
-        "completed_requests": pc.sum(ok).as_py() or 0,
-        "failed_requests": pc.sum(pc.is_in(reason, pa.array([r.value for r in FinishReason if r.is_failure])))
-                           .as_py() or 0,
+        **_request_counts(table, ok, failed),
         **sums,
         "constrained_requests": pc.count(table["valid"]).as_py() or 0,   # nulls (free text) not counted
         "constrained_valid": pc.sum(table["valid"]).as_py() or 0,
@@ -60,6 +62,19 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
         "latency_p50": latency[0], "latency_p95": latency[1], "latency_p99": latency[2],
         "ttft_p50": ttft[0], "ttft_p95": ttft[1],
     }
+
+
+def _request_counts(table: pa.Table, ok: pa.ChunkedArray, failed: pa.ChunkedArray) -> dict[str, int]:
+    """total, completed and failed requests; per row unless some request has several choices."""
+    if not (pc.max(table["choice"]).as_py() or 0):
+        return {"total_requests": table.num_rows, "completed_requests": pc.sum(ok).as_py() or 0,
+                "failed_requests": pc.sum(failed).as_py() or 0}
+    per_request = pa.table({"id": table["id"], "ok": ok, "failed": failed}).group_by("id").aggregate(
+        [("ok", "all"), ("failed", "any")])
+    failed_requests = pc.sum(per_request["failed_any"]).as_py() or 0
+    completed = pc.and_(per_request["ok_all"], pc.invert(per_request["failed_any"]))
+    return {"total_requests": per_request.num_rows, "completed_requests": pc.sum(completed).as_py() or 0,
+            "failed_requests": failed_requests}
 
 
 def write_stats(stats: dict, job_id: str, stats_file: str | os.PathLike) -> None:

@@ -182,13 +182,13 @@ def create_retry_job(
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     old_paths = JobPaths(root, job_id)
-    answered, failed = set(), set()
+    answered, unanswered, failed = set(), set(), set()   # a request is answered when all its choices are
     for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"]):
         reason = FinishReason(row["finish_reason"])
-        if reason.is_success:
-            answered.add(row["id"])
-        elif reason.is_failure:
+        (answered if reason.is_success else unanswered).add(row["id"])
+        if reason.is_failure:
             failed.add(row["id"])
+    answered -= unanswered
     taken = {request.id for job in earlier for index in range(job.num_shards)
              for request in read_shard(JobPaths(root, job.id).input_shard(index))}
     num_taken = 0

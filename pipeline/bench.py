@@ -12,7 +12,7 @@ from pipeline.sampling_params import SamplingParams
 
 def read_workload(path: str) -> list[Request]:
     """Lines as written by shared/bench/workload.py: id, prompt, max_tokens, temperature, ignore_eos;
-    optionally logprobs and structured_output (to measure what they cost)."""
+    optionally logprobs, structured_output and n (to measure what they cost)."""
     requests = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -23,7 +23,7 @@ def read_workload(path: str) -> list[Request]:
                 params = SamplingParams(max_tokens=row.get("max_tokens", 256),
                                         temperature=row.get("temperature", 0.0),
                                         ignore_eos=row.get("ignore_eos", False), logprobs=row.get("logprobs"),
-                                        structured_output=row.get("structured_output"))
+                                        structured_output=row.get("structured_output"), n=row.get("n", 1))
                 requests.append(Request(str(row.get("id", line_no)), prompt=row["prompt"], params=params))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}, line {line_no}: {e}") from None
@@ -56,6 +56,7 @@ def run_bench(path: str, config: EngineConfig) -> dict:
             "output_tok_s": round(output_tokens / seconds, 2),
             "total_tok_s": round((output_tokens + prompt_tokens) / seconds, 2),
             "cached_tokens": cached_tokens,
+            "prefill_tokens_computed": prompt_tokens - cached_tokens,   # per choice: n > 1 shares its prompt
             "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
             "kv_blocks": engine.block_manager.num_blocks,
             "kv_peak_utilization": round(engine.block_manager.peak_utilization, 4),

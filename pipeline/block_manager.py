@@ -13,6 +13,11 @@ only full blocks are shared, and a sequence's tokens after its last shared block
 fresh blocks, so a shared block is never written. When its last holder lets go, a
 hashed block is not wiped: it waits, findable, in an LRU list of free cached blocks and
 is reused for other content only when no plain free block is left.
+
+Forking (a request's n > 1 choices): the choices share every block of the computed
+prompt, the partial last one included. A sequence about to write into a block that
+others still hold gets a private copy first (copy on write): `try_allocate` swaps in a
+fresh block and queues the copy, which the engine makes before the step's forward.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class BlockManager:
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.cached_block_ids: dict[bytes, int] = {}                  # hash -> block id
         self.peak_used_blocks = 0   # most blocks held by sequences at once (reset_peak())
+        self.pending_copies: list[tuple[int, int]] = []   # (source, destination) block ids, copy on write
 
     # ---- state ------------------------------------------------------------------------
 
@@ -132,8 +138,14 @@ class BlockManager:
         compute a shared prefix once."""
         needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
         reused_free = sum(b in self.cached_free_block_ids for b in cached_block_ids)
-        if needed > self.num_free_blocks - reused_free:
+        shared = self._shared_write_block(seq)
+        if needed + (shared is not None) > self.num_free_blocks - reused_free:
             return False
+        if shared is not None:   # copy on write: the others keep the original
+            source = seq.block_table[shared]
+            self.blocks[source].ref_count -= 1
+            seq.block_table[shared] = self._take_free_block()
+            self.pending_copies.append((source, seq.block_table[shared]))
         for block_id in cached_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -148,6 +160,30 @@ class BlockManager:
             self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return True
+
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        """Make child (a fork holding no block) hold every block of parent, as it stands."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies on write queued since the last call: (source, destination) block ids."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in seq's block table of the partly filled block its next token goes into,
+        when other sequences hold it too (forked choices); else None. Full shared blocks
+        are never written: writing starts past them."""
+        start = seq.num_computed_tokens
+        index = start // self.block_size
+        if start % self.block_size and index < len(seq.block_table):
+            if self.blocks[seq.block_table[index]].ref_count > 1:
+                return index
+        return None
 
     def free(self, seq: Sequence) -> None:
         """Let go of seq's blocks (finished, cancelled or preempted)."""

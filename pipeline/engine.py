@@ -122,9 +122,7 @@ class Engine:
                     if request is None:
                         exhausted = True
                         break
-                    error = self.add_request(request)
-                    if error is not None:
-                        yield error
+                    yield from self.add_request(request)   # the request's error results, if it cannot run
                 if self.scheduler.num_unfinished == 0:
                     if exhausted:
                         return
@@ -149,31 +147,34 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def add_request(self, request: Request) -> RequestOutput | None:
+    def add_request(self, request: Request) -> list[RequestOutput]:
         """Queue a request for the next steps (its id must be unique among the unfinished
-        ones); a request that can never run gets its error result at once instead."""
+        ones) and return []; a request that can never run gets its error results at once
+        instead, one per choice."""
         arrival = time.perf_counter()
         try:
             prompt_ids = self.tokenize(request)
-            seq = Sequence(request.id, prompt_ids, request.params,
-                           IncrementalDetokenizer(self.tokenizer, prompt_ids, request.params.stop), arrival,
-                           timeout_s=request.timeout_s)
+            seq = Sequence(request.id, prompt_ids, request.params, self._detokenizer(prompt_ids, request.params),
+                           arrival, timeout_s=request.timeout_s)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
-            return _error_output(request.id, f"tokenisation failed: {e}", 0, arrival)
+            return _error_outputs(request, f"tokenisation failed: {e}", 0, arrival)
         bias = request.params.logit_bias
         if bias and max(bias) >= self.structured.vocab_size:
-            return _error_output(request.id, f"logit_bias names token {max(bias)}; the model's vocabulary has "
-                                             f"{self.structured.vocab_size} tokens", len(prompt_ids), arrival)
+            return _error_outputs(request, f"logit_bias names token {max(bias)}; the model's vocabulary has "
+                                           f"{self.structured.vocab_size} tokens", len(prompt_ids), arrival)
         if request.params.structured_output is not None:
             try:
                 seq.matcher = self.structured.matcher(request.params.structured_output)
             except ValueError as e:
-                return _error_output(request.id, str(e), len(prompt_ids), arrival)
+                return _error_outputs(request, str(e), len(prompt_ids), arrival)
         error = self.scheduler.admission_error(seq)
         if error is not None:
-            return _error_output(request.id, error, len(prompt_ids), arrival)
+            return _error_outputs(request, error, len(prompt_ids), arrival)
         self.scheduler.add(seq)
-        return None
+        return []
+
+    def _detokenizer(self, prompt_ids: list[int], params) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop these unfinished requests and free their blocks (unknown ids are ignored)."""
@@ -193,6 +194,7 @@ class Engine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         try:
+            self.runner.copy_blocks(self.block_manager.take_copies())   # forked choices' copies on write
             sampling, logits = self.runner.run(batch)
         except BaseException:
             # This step's full blocks were already made findable; their content may now
@@ -205,6 +207,8 @@ class Engine:
         self.num_steps += 1
         if not sampling:
             return timed_out
+        if any(seq.num_forks for seq in sampling):
+            sampling, logits = self._fork(sampling, logits)
         self._mask_constrained(logits, sampling)
         new_tokens = self.speculator.sample(logits, sampling)   # one each; up to 1 + K with drafts
         now = time.perf_counter()
@@ -219,6 +223,28 @@ class Engine:
             elif seq.draft_token_ids:
                 self.scheduler.discard_rejected(seq)
         return finished
+
+    def _fork(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Fork the other choices of the n > 1 requests whose prompt was just computed. Those
+        that run now sample from their first choice's logits row, each drawing its own token;
+        returns the sampling sequences and their logits rows, the forks beside their parent."""
+        order, rows, row = [], [], 0
+        for seq in sampling:
+            width = 1 + len(seq.draft_token_ids)
+            order.append(seq)
+            rows.extend(range(row, row + width))
+            if seq.num_forks:   # a prompt just computed: one row, no drafts
+                children = [seq.fork(choice, self._detokenizer(seq.prompt_token_ids, seq.params))
+                            for choice in range(1, seq.num_forks + 1)]
+                seq.num_forks = 0
+                if seq.matcher is not None:
+                    for child in children:
+                        child.matcher = self.structured.matcher(seq.params.structured_output)
+                for child in self.scheduler.fork(seq, children):
+                    order.append(child)
+                    rows.append(row)
+            row += width
+        return order, logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _mask_constrained(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
         """Only the grammar's tokens stay possible in the rows of constrained sequences (each
@@ -259,8 +285,16 @@ class Engine:
             if seq.matcher is not None:
                 seq.valid = False   # cut short by its timeout
             self.scheduler.finish(seq)   # frees its blocks
+        # A first choice that timed out before its prompt was computed never forked the others.
+        expired += [self._unforked(seq, choice, now) for seq in list(expired) for choice in range(1, seq.num_forks + 1)]
         return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s", logprobs=self._logprobs_of(seq))
                 for seq in expired]
+
+    def _unforked(self, seq: Sequence, choice: int, now: float) -> Sequence:
+        child = seq.fork(choice, self._detokenizer(seq.prompt_token_ids, seq.params))
+        child.finish_reason, child.finish_time, child.valid = seq.finish_reason, now, seq.valid
+        child.status = seq.status
+        return child
 
     def _append_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; returns True when the sequence is finished."""
@@ -298,10 +332,12 @@ def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | N
         ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
         draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid,
-        logprobs=logprobs)
+        logprobs=logprobs, choice=seq.choice)
 
 
-def _error_output(request_id: str, error: str, prompt_tokens: int, arrival: float) -> RequestOutput:
-    return RequestOutput(id=request_id, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=error,
-                         prompt_tokens=prompt_tokens, output_tokens=0, queue_s=0.0, ttft_s=None,
-                         latency_s=time.perf_counter() - arrival)
+def _error_outputs(request: Request, error: str, prompt_tokens: int, arrival: float) -> list[RequestOutput]:
+    latency = time.perf_counter() - arrival
+    return [RequestOutput(id=request.id, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=error,
+                          prompt_tokens=prompt_tokens, output_tokens=0, queue_s=0.0, ttft_s=None,
+                          latency_s=latency, choice=choice)
+            for choice in range(request.params.n)]

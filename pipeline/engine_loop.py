@@ -56,7 +56,8 @@ class _Stream:
     def __init__(self, key: int):
         self.key = key
         self.results: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-        self.live_ids: set[str] = set()   # internal ids in the engine (loop thread only)
+        # internal id in the engine -> its choices not finished yet (loop thread only)
+        self.live_ids: dict[str, int] = {}
 
     def internal_id(self, request_id: str) -> str:
         # Two callers may use the same request ids (two jobs' shards): unique in the engine.
@@ -135,7 +136,7 @@ class EngineLoop:
                     else:
                         batch.append((stream, dataclasses.replace(request, id=stream.internal_id(request.id))))
                 if batch:
-                    in_flight += len(batch)
+                    in_flight += sum(request.params.n for _, request in batch)   # one result per choice
                     with self._wake:
                         self._inbox.extend(batch)
                         self._wake.notify()
@@ -212,10 +213,10 @@ class EngineLoop:
             for stream, request in inbox:
                 if stream.key in aborted:
                     continue
-                error = engine.add_request(request)
-                if error is None:
-                    stream.live_ids.add(request.id)
-                else:
+                errors = engine.add_request(request)
+                if not errors:
+                    stream.live_ids[request.id] = request.params.n
+                for error in errors:
                     self._deliver(stream, error)
             if not engine.has_unfinished_requests:
                 continue
@@ -229,7 +230,9 @@ class EngineLoop:
             for out in finished:
                 stream = self._streams_by_internal_id(out.id)
                 if stream is not None:
-                    stream.live_ids.discard(out.id)
+                    left = stream.live_ids.pop(out.id, 1) - 1
+                    if left:
+                        stream.live_ids[out.id] = left
                     self._deliver(stream, out)
 
     def _streams_by_internal_id(self, internal_id: str) -> _Stream | None:

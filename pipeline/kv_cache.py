@@ -51,6 +51,15 @@ class KVCache:
             return LayerCache(self.k[i], self.v[i])
         return LayerCache(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy blocks (source, destination) in every layer, scales included; every source is
+        read before any destination is written."""
+        source = torch.tensor([src for src, _ in copies], device=self.k.device)
+        destination = torch.tensor([dst for _, dst in copies], device=self.k.device)
+        for pool in (self.k, self.v, self.k_scale, self.v_scale):
+            if pool is not None:
+                pool.index_copy_(1, destination, pool.index_select(1, source))
+
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype) -> int:

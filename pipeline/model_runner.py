@@ -44,6 +44,13 @@ class ModelRunner:
             layer.self_attn.cache = kv_cache.layer(i)
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination), every layer: copy on write for forked
+        choices (block_manager), before the step's forward writes any of them."""
+        if copies:
+            self.kv_cache.copy_blocks(copies)
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step. Returns the sequences whose last token was computed (they sample
         now) and their logits [rows, vocab]: one row each, 1 + len(draft_token_ids) for a

@@ -53,7 +53,7 @@ class Request:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A finished request: stop or length, timeout (with its partial text; `error` says
+    """A finished request (one choice of it, when params.n > 1): stop or length, timeout (with its partial text; `error` says
     so), or error (then `error` says why).
 
     cached_tokens: prompt tokens whose KV came from the prefix cache instead of being computed.
@@ -81,3 +81,5 @@ class RequestOutput:
     # params.logprobs: per output token {"token", "logprob", "bytes", "top_logprobs": [...]}, as
     # OpenAI's chat logprobs (token texts as the tokenizer decodes each one alone); else None.
     logprobs: list[dict] | None = None
+    # Which of the request's params.n answers this is (0 .. n - 1): each choice is its own output.
+    choice: int = 0

@@ -98,7 +98,7 @@ class Sampler:
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(seq.params.seed)
+            seq.generator.manual_seed(seq.seed)   # each choice of an n > 1 request its own
         return seq.generator
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -36,6 +36,9 @@ class SamplingParams:
     # They are the log-softmax of the logits after penalties, logit bias and the grammar
     # mask, before temperature and the top-k/top-p/min-p filters: the model's distribution.
     logprobs: int | None = None
+    # Independent answers to the same prompt (OpenAI's n): the prompt is computed once and its
+    # KV blocks shared by the n sequences; a seed gives each choice its own reproducible stream.
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,6 +60,8 @@ class SamplingParams:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             if any(token < 0 for token in self.logit_bias) or any(abs(b) > 100 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.structured_output is not None:

@@ -14,6 +14,11 @@ Speculative decoding: a decoding sequence with draft tokens (speculative.py) is 
 last token plus as many drafts as the budget and the model length allow; when the pool is
 short its drafts are dropped before anyone is preempted. After verification,
 `discard_rejected` rolls its length and blocks back to the tokens it kept.
+
+n > 1: a request's first sequence computes the prompt alone; once it is computed, `fork`
+adds the other choices as running sequences sharing its blocks (as many as the sequence
+limit allows; the rest wait at the head of the queue and are admitted like any sequence,
+finding the prompt's full blocks in the prefix cache when it is on).
 """
 from __future__ import annotations
 
@@ -111,6 +116,20 @@ class Scheduler:
             num_new_tokens.append(n)
             budget -= n
         return ScheduledBatch(seqs, num_new_tokens)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[Sequence]:
+        """Add parent's other choices (forks of it, with its prompt just computed); returns
+        those that run from now on, sharing parent's blocks, and so sample in this step."""
+        room = max(0, self.max_num_seqs - len(self.running))
+        running, waiting = children[:room], children[room:]
+        for child in running:
+            self.block_manager.share(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = child.num_prompt_tokens   # none of its prompt was computed for it
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        self.waiting.extendleft(reversed(waiting))
+        return running
 
     def discard_rejected(self, seq: Sequence) -> None:
         """After a verified step: the cache holds seq's tokens up to its last new one (not

@@ -1,6 +1,7 @@
 """A request's state while the engine works on it."""
 from __future__ import annotations
 
+import hashlib
 import time
 from enum import Enum, auto
 
@@ -55,6 +56,10 @@ class Sequence:
         self.finish_time: float | None = None
         self.timeout_s = timeout_s   # from first_scheduled_time (see Request)
         self.generator = None  # a torch.Generator when params.seed is set (see sampler)
+        # n > 1 (params.n): which answer this sequence is, and how many more the first one
+        # forks once its prompt is computed (Engine: they share its KV blocks).
+        self.choice = 0
+        self.num_forks = params.n - 1
         # Structured output (pipeline.structured_output): the grammar's matcher, advanced by
         # every output token; whether the answer was complete under it, once finished.
         self.matcher = None
@@ -62,6 +67,25 @@ class Sequence:
         # params.logprobs: one (token id, logprob, [(top id, logprob), ...]) per output token.
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = (
             [] if params.logprobs is not None else None)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of this choice's random stream: the request's for the first, one derived
+        from it for each other (so choices differ, and each is reproducible)."""
+        seed = self.params.seed
+        if seed is None or self.choice == 0:
+            return seed
+        digest = hashlib.blake2b(f"{seed}/{self.choice}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1   # torch takes seeds below 2**63
+
+    def fork(self, choice: int, detokenizer: IncrementalDetokenizer) -> "Sequence":
+        """Choice `choice` of the same request, at the point this one's prompt is computed
+        (no output yet); it holds no blocks until the scheduler shares them."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, detokenizer,
+                         self.arrival_time, self.timeout_s)
+        child.choice, child.num_forks = choice, 0
+        child.first_scheduled_time = self.first_scheduled_time
+        return child
 
     def is_timed_out(self, now: float) -> bool:
         return (self.timeout_s is not None and self.first_scheduled_time is not None

@@ -228,7 +228,7 @@ def test_cancel_through_the_client_keeps_the_partial_results(server, finished):
 
 BAD_ROWS = [batch_line("a", [{"role": "user", "content": "Hi"}]),
             {**batch_line("b", [{"role": "user", "content": "Hi"}]), "method": "GET"},
-            batch_line("c", [{"role": "user", "content": "Hi"}], n=2),
+            batch_line("c", [{"role": "user", "content": "Hi"}], n=129),
             batch_line("d", [{"role": "user", "content": "Hi"}], model="gpt-4o")]
 
 
@@ -243,7 +243,7 @@ def test_a_bad_upload_returns_the_line_numbered_errors_and_keeps_nothing(server)
     assert message.startswith("bad.jsonl: 3 error(s), nothing was uploaded")
     reported = [line.split(":")[0] for line in message.splitlines()[1:]]
     assert reported == ["line 2", "line 3", "line 4"], message
-    assert 'method must be "POST"' in message and "n > 1 is not supported" in message
+    assert 'method must be "POST"' in message and "n must be between 1 and 128, got 129" in message
     assert "model 'gpt-4o' is not the job's model" in message
     with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
         client.files.create(file=("ok.jsonl", jsonl(BAD_ROWS[:1])), purpose="fine-tune")

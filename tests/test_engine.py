@@ -682,7 +682,7 @@ def test_int8_kv_cache_logits_stay_close_to_the_auto_cache(tiny_engine, tiny_mod
 
 def peak_running(engine: Engine, requests: list[Request]) -> int:
     for request in requests:
-        assert engine.add_request(request) is None
+        assert engine.add_request(request) == []
     peak = 0
     while engine.has_unfinished_requests:
         engine.step()

@@ -218,19 +218,24 @@ class Cluster:
             answered.update(r["id"] for r in rows if r["finish_reason"] in ("stop", "length"))
         assert answered == Counter(expected_ids), {i: answered[i] for i in expected_ids if answered[i] != 1}
 
-    def assert_exactly_once(self, job_id: str, expected_ids: list[str]):
-        """Each id exactly once in the results dataset, exact ledger counts, empty _tmp."""
+    def assert_exactly_once(self, job_id: str, expected_ids: list[str], choices: dict[str, int] | None = None):
+        """Each (id, choice) exactly once in the results dataset (choices: n of the ids that
+        have several), exact ledger counts per request, empty _tmp."""
         jp = JobPaths(self.root, job_id)
         table = pads.dataset(str(jp.results_dir), format="parquet").to_table()  # as any pyarrow reader sees it
-        counts = Counter(table["id"].to_pylist())
-        assert sorted(counts) == sorted(expected_ids) and set(counts.values()) == {1}, \
-            {i: n for i, n in counts.items() if n != 1} or sorted(set(expected_ids) ^ set(counts))
-        reasons = Counter(table["finish_reason"].to_pylist())
+        counts = Counter(zip(table["id"].to_pylist(), table["choice"].to_pylist()))
+        expected = [(i, c) for i in expected_ids for c in range((choices or {}).get(i, 1))]
+        assert sorted(counts) == sorted(expected) and set(counts.values()) == {1}, \
+            {i: n for i, n in counts.items() if n != 1} or sorted(set(expected) ^ set(counts))
+        outcome: dict[str, set] = {}
+        for r in table.select(["id", "finish_reason"]).to_pylist():
+            outcome.setdefault(r["id"], set()).add(r["finish_reason"])
+        ok = sum(reasons <= {"stop", "length"} for reasons in outcome.values())
+        failed = sum("error" in reasons for reasons in outcome.values())
         job, shards = self.job(job_id), self.shards(job_id)
-        ok = reasons["stop"] + reasons["length"]
-        assert (job.completed_requests, job.failed_requests) == (ok, reasons["error"])
+        assert (job.completed_requests, job.failed_requests) == (ok, failed)
         assert sum(sh.completed_requests for sh in shards) == ok
-        assert sum(sh.failed_requests for sh in shards) == reasons["error"]
+        assert sum(sh.failed_requests for sh in shards) == failed
         assert job.total_requests == len(expected_ids)
         # every row was written by the attempt that committed its shard
         attempts = {sh.index: sh.attempt for sh in shards}
@@ -272,6 +277,9 @@ def test_sigkill_mid_shard_second_worker_finishes_exactly_once(db_url, cluster_f
     default): both are redone by the survivor, every id exactly once."""
     c = cluster_factory(db_url)
     rows = warm_then_long("k", 6, 12)
+    choices = {r["id"]: 3 for r in rows[6::4]}   # a few long ones want 3 answers: each (id, choice) once
+    for r in rows:
+        r["n"] = choices.get(r["id"], 1)
     workers = [c.start_worker(), c.start_worker()]
     job_id = c.submit(rows, shard_size=3)
     victims = c.wait_for("two shards generating in one worker",
@@ -282,7 +290,7 @@ def test_sigkill_mid_shard_second_worker_finishes_exactly_once(db_url, cluster_f
     a.wait()
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(rows)
-    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    c.assert_exactly_once(job_id, [r["id"] for r in rows], choices)
     for victim in victims:
         redone = next(sh for sh in c.shards(job_id) if sh.index == victim.index)
         # the killed attempt was reaped and the shard committed by a later attempt on the survivor
@@ -651,7 +659,7 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     assert c.log(proc).count("'released'") >= len(victims)
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(rows)
-    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    c.assert_exactly_once(job_id, [r["id"] for r in rows], choices)
     for victim in victims:
         shard = c.shards(job_id)[victim.index]
         # the release gave its attempt back: attempts used = attempt - releases

@@ -318,7 +318,7 @@ BAD_LINES = {
     "missing body": (bad("b", body=...), "missing body"),
     "duplicate custom_id": (bad("a"), "duplicate id 'a' (first on line 1)"),
     "logprobs": (bad_body("l", logprobs=True, top_logprobs=21), "top_logprobs must be between 0 and 20"),
-    "n=2": (bad_body("n", n=2), "n > 1 is not supported"),
+    "n=0": (bad_body("n", n=0), "n must be between 1 and 128, got 0"),
     "other url": (bad("o", url=COMPLETIONS, body={"prompt": "Hi"}), "every line of a batch must use the same url"),
     "other model": (bad_body("g", model="gpt-4o"), "model 'gpt-4o' is not the job's model"),
 }
@@ -393,3 +393,40 @@ def test_an_unchanged_openai_file_runs_under_its_served_model_names(runner, data
     assert models == {"c0": "gpt-4o-mini", "c1": "gpt-4o-mini", "c2": "our-alias"}
     assert read_results(JobPaths(data_root, job_id).results_dir)["model"].to_pylist() == [
         "gpt-4o-mini", "gpt-4o-mini", "our-alias"]
+
+
+def test_n_choices_run_as_one_output_line_each_and_one_result_row_per_choice(runner, data_root, tmp_path,
+                                                                             bundled_model_dir):
+    """On the bundled model: n=4 greedy answers "Paris" four times, n=3 seeded sampling gives
+    three answers; one OpenAI line per request holding its n choices (the prompt counted once),
+    one result row per (id, choice), the prompt computed once (the other choices' cached_tokens)."""
+    capital = {"model": "SmolLM2-135M-Instruct", "messages": CHATS["capital"], "max_tokens": 8, "temperature": 0}
+    rows = [openai_line("greedy", CHAT, {**capital, "n": 4}),
+            openai_line("sampled", CHAT, {**capital, "n": 3, "temperature": 0.9, "seed": 5, "max_tokens": 12}),
+            openai_line("single", CHAT, capital)]
+    job_id = run_job(runner, write_jsonl(tmp_path / "batch.jsonl", rows), bundled_model_dir)
+    table = read_results(JobPaths(data_root, job_id).results_dir).to_pylist()
+    assert [(r["id"], r["choice"]) for r in table] == [
+        ("greedy", 0), ("greedy", 1), ("greedy", 2), ("greedy", 3), ("sampled", 0), ("sampled", 1), ("sampled", 2),
+        ("single", 0)]
+    by_key = {(r["id"], r["choice"]): r for r in table}
+    single = by_key["single", 0]
+    assert "Paris" in single["output"]
+    assert all(by_key["greedy", c]["output"] == single["output"] for c in range(4))
+    prompt_tokens = single["prompt_tokens"]
+    assert all(by_key["greedy", c]["cached_tokens"] == prompt_tokens for c in (1, 2, 3))
+    assert all(by_key["sampled", c]["cached_tokens"] == prompt_tokens for c in (1, 2))
+    with session_factory(make_engine(default_database_url(data_root)))() as s:
+        job = get_job(s, job_id)
+        assert (job.total_requests, job.completed_requests, job.failed_requests) == (3, 3, 0)
+        assert job.output_tokens == sum(r["output_tokens"] for r in table)
+    ok_lines, err_lines = export_openai(runner, job_id, tmp_path / "out.jsonl")
+    assert err_lines == [] and [line["custom_id"] for line in ok_lines] == ["greedy", "sampled", "single"]
+    bodies = {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"]) for line in ok_lines}
+    greedy = bodies["greedy"]
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
+    assert {c.message.content for c in greedy.choices} == {single["output"]}
+    sampled = bodies["sampled"]
+    assert [c.message.content for c in sampled.choices] == [by_key["sampled", c]["output"] for c in range(3)]
+    assert sampled.usage.prompt_tokens == prompt_tokens   # once, not once per choice
+    assert sampled.usage.completion_tokens == sum(by_key["sampled", c]["output_tokens"] for c in range(3))

@@ -356,7 +356,7 @@ def test_openai_line_errors(tmp_path):
         {"custom_id": "nb", "method": "POST", "url": CHAT},                 # 4
         batch_line("ok", chat_body()),                                      # 5
         batch_line("lp", chat_body(logprobs=True, top_logprobs=21)),        # 6
-        batch_line("n2", chat_body(n=2)),                                   # 7
+        batch_line("n2", chat_body(n=129)),                                 # 7
         batch_line("both", chat_body(max_tokens=3, max_completion_tokens=3)),  # 8
         {"method": "POST", "url": CHAT, "body": chat_body()},               # 9
         {**batch_line("x", chat_body()), "extra": 1},                       # 10
@@ -370,7 +370,7 @@ def test_openai_line_errors(tmp_path):
     expected = {
         2: 'method must be "POST"', 3: "unknown url '/v1/embeddings'", 4: "missing body",
         5: "duplicate id 'ok' (first on line 1)", 6: "top_logprobs must be between 0 and 20",
-        7: "n > 1 is not supported", 8: "not both", 9: "missing custom_id",
+        7: "n must be between 1 and 128, got 129", 8: "not both", 9: "missing custom_id",
         10: "unknown field 'extra'", 11: "unsupported field 'prompt'",
         12: "unsupported field 'stream'", 13: "max_completion_tokens must be between 1",
         14: "body must be an object", 15: "model must be a non-empty string",

@@ -120,7 +120,7 @@ def run_shard(
                 raise
             log.exception("shard %s/%d failed on its last attempt", job_id, index)
             error = f"the shard failed {max_attempts} times; last error: {type(e).__name__}: {e}"
-            rows, status = _error_rows(specs, index, attempt, error), ShardStatus.FAILED
+            rows, status = result_row.error_rows(specs, error, index, attempt), ShardStatus.FAILED
         if lease.lost.is_set():
             return ShardOutcome.LOST
         if status == ShardStatus.COMPLETED and interrupted and _shutdown.is_set():
@@ -170,7 +170,7 @@ def commit_error_rows(Session, root, job_id: str, index: int, attempt: int, erro
     not be a name any worker attempt uses. False if that attempt no longer holds it;
     InputUnreadable if the input cannot be read (no rows can be written)."""
     paths = JobPaths(root, job_id)
-    rows = _error_rows(read_input(paths, index), index, attempt, error)
+    rows = result_row.error_rows(read_input(paths, index), error, index, attempt)
     return _commit(Session, paths, job_id, index, attempt, rows, ShardStatus.FAILED, tmp=tmp_path)
 
 
@@ -200,39 +200,43 @@ def _note_error(Session, job_id: str, index: int, attempt: int, error: str) -> N
 
 
 def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
-    """Result rows in input order, whether generation stopped because of a cancel or the
+    """Result rows in input order (a request's choices in order), whether generation stopped because of a cancel or the
     job's expiry, and whether it stopped early for another reason (a lost lease,
     request_shutdown). The requests an expiry left unfinished get error rows
     (jobs.scheduling.expired_error), those a cancel left get cancelled rows."""
     job_id = job.id
     by_id = {spec.id: spec for spec in specs}
-    rows: dict[str, dict] = {}
+    rows: dict[tuple[str, int], dict] = {}   # (id, choice) -> row: one per answer
     requests = []
     for spec in specs:
         try:
             requests.append(to_request(spec, job.request_timeout_s))
         except ValueError as e:  # e.g. a sampling setting the engine rejects: this request fails alone
-            rows[spec.id] = result_row.error_row(spec.id, f"invalid request: {e}", index, attempt)
-            _notify(on_result, rows[spec.id])
+            for row in result_row.error_rows([spec], f"invalid request: {e}", index, attempt):
+                rows[spec.id, row["choice"]] = row
+                _notify(on_result, row)
     start = time.perf_counter()
     with _CancelPoll(Session, job_id) as cancel:
         stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
         for out in engine.generate(requests, should_stop=stop):
             spec = by_id[out.id]
-            rows[out.id] = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model)
-            _notify(on_result, rows[out.id])
+            row = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model)
+            rows[out.id, out.choice] = row
+            _notify(on_result, row)
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
     # shutdown (both never committed).
-    interrupted = len(rows) < len(specs)
+    keys = [(spec.id, choice) for spec in specs for choice in range(spec.n)]
+    interrupted = len(rows) < len(keys)
     waited = time.perf_counter() - start
-    for spec in specs:
-        if spec.id not in rows:
+    for request_id, choice in keys:
+        if (request_id, choice) not in rows:
             if cancel.reason == "expired":
-                rows[spec.id] = result_row.error_row(spec.id, expired_error(job.completion_window), index, attempt)
+                row = result_row.error_row(request_id, expired_error(job.completion_window), index, attempt, choice)
             else:   # it waited from the shard's start until the cancel, and got nothing
-                rows[spec.id] = result_row.cancelled_row(spec.id, waited, index, attempt)
-            _notify(on_result, rows[spec.id])
-    return [rows[spec.id] for spec in specs], cancel.seen, interrupted
+                row = result_row.cancelled_row(request_id, waited, index, attempt, choice)
+            rows[request_id, choice] = row
+            _notify(on_result, row)
+    return [rows[key] for key in keys], cancel.seen, interrupted
 
 
 def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None) -> bool:
@@ -241,10 +245,6 @@ def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=
     with Session() as s:
         return ledger.commit_shard(s, job_id, index, attempt, totals=result_row.shard_totals(rows),
                                    tmp_path=tmp, final_path=paths.result_shard(index), status=status)
-
-
-def _error_rows(specs, index, attempt, error) -> list[dict]:
-    return [result_row.error_row(spec.id, error, index, attempt) for spec in specs]
 
 
 def _notify(on_result, row: dict) -> None:
