@@ -234,3 +234,44 @@ def test_reset_prefix_cache_only_when_idle():
     assert bm.num_cached_blocks == 0 and len(bm.free_block_ids) == 16
     assert bm.find_cached_prefix(make_seq("b", ids=list(range(9)))) == []
     check_accounting(bm, [])
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_forked_choices_share_the_prompt_and_copy_the_partial_block_before_writing(prefix_caching):
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=prefix_caching)
+    parent = make_seq("p", num_prompt_tokens=6)   # one full block, one partial
+    admit(bm, parent)
+    parent.num_computed_tokens = 6
+    children = [make_seq("p", num_prompt_tokens=6) for _ in range(2)]
+    for child in children:
+        bm.share(parent, child)
+        child.num_computed_tokens = 6
+    assert all(child.block_table == parent.block_table for child in children)
+    check_accounting(bm, [parent, *children])
+    full, partial = parent.block_table
+    for seq in (children[0], parent):   # each appends one token
+        seq.output_token_ids.append(1)
+    assert bm.try_allocate(children[0], 7)
+    assert children[0].block_table[0] == full and children[0].block_table[1] != partial
+    assert bm.take_copies() == [(partial, children[0].block_table[1])] and bm.take_copies() == []
+    assert bm.try_allocate(parent, 7)   # still shared with children[1]: copied too
+    assert bm.take_copies() == [(partial, parent.block_table[1])]
+    children[1].output_token_ids.append(1)
+    assert bm.try_allocate(children[1], 7)   # the last holder writes in place
+    assert children[1].block_table[1] == partial and bm.take_copies() == []
+    check_accounting(bm, [parent, *children])
+    for seq in (parent, *children):
+        bm.free(seq)
+    check_accounting(bm, [])
+
+
+def test_a_copy_on_write_that_finds_no_free_block_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    parent, child = make_seq("p", num_prompt_tokens=6), make_seq("p", num_prompt_tokens=6)
+    admit(bm, parent)
+    parent.num_computed_tokens = child.num_computed_tokens = 6
+    bm.share(parent, child)
+    child.output_token_ids.append(1)
+    assert not bm.try_allocate(child, 7)   # the pool is full: the caller preempts
+    assert child.block_table == parent.block_table and bm.take_copies() == []
+    check_accounting(bm, [parent, child])

@@ -118,3 +118,12 @@ def test_the_engine_loop_returns_every_choice_to_its_caller(tiny_model_dir):
         assert sorted(outputs) == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
     finally:
         loop.close()
+
+
+def test_choices_share_an_int8_cache_too_scales_and_all(tiny_model_dir):
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), kv_cache_dtype="int8", **BIG_POOL))
+    prompt = random_prompt(random.Random(8), 23)
+    (single,) = engine.generate([Request("one", prompt_token_ids=prompt, params=greedy(6, ignore_eos=True))])
+    outputs = by_choice(engine.generate([Request("three", prompt_token_ids=prompt,
+                                                 params=greedy(6, ignore_eos=True, n=3))]))
+    assert [outputs["three", c].token_ids for c in range(3)] == [single.token_ids] * 3
