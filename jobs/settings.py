@@ -1,9 +1,12 @@
 """The deployment's settings, read once and passed down.
 
-Every PIPELINE_* variable, its default and its type are declared here and nowhere else:
+Every PIPELINE_* variable of the deployment, its default and its type are declared here:
 the CLI's options take their `envvar=` and defaults from these fields, the Celery app
 and its tasks get a Settings object, and jobs/ functions take plain arguments. Plain
 values only (a broker URL is a string), so this module knows nothing of Celery.
+The engine package reads its own two, as it knows nothing of jobs: PIPELINE_CACHE_DIR
+(where the bundled model is converted, pipeline/bundled.py) and PIPELINE_CPU_KERNELS=0
+(the C kernels off, pipeline/kernels).
 """
 from __future__ import annotations
 

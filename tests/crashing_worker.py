@@ -14,7 +14,7 @@ from workers import tasks
 from workers.app import app  # noqa: F401  (what `celery -A` looks for)
 
 CRASH_PREFIX = "crash-"
-_real_use = tasks._engines.use
+_real_use = tasks.engines().use
 
 
 class _CrashingEngine:
@@ -38,4 +38,4 @@ def _crashing_use(options):
         yield _CrashingEngine(engine)
 
 
-tasks._engines.use = _crashing_use
+tasks.engines().use = _crashing_use

@@ -200,3 +200,24 @@ def test_a_token_biased_minus_100_never_comes_and_plus_100_always_does(tiny_mode
     assert 1 <= penalised.count(1234) <= 3
     (too_big,) = engine.generate([Request("r", prompt="Hi", params=SamplingParams(logit_bias={"999999": 1}))])
     assert too_big.finish_reason == "error" and "vocabulary" in too_big.error
+
+
+@pytest.mark.parametrize("mix", ["greedy", "sampled", "every kind"])
+def test_a_sampling_step_brings_the_batch_back_in_one_host_transfer(monkeypatch, mix):
+    """The sampler's one sync: a single .tolist() for the whole batch, whatever its rows ask
+    (counted by wrapping Tensor.tolist and Tensor.item; the arithmetic is the real one)."""
+    kinds = {"greedy": [SamplingParams(temperature=0)] * 3,
+             "sampled": [SamplingParams(temperature=0.8, top_p=0.9)] * 3,
+             "every kind": [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3, top_k=5),
+                            SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.3, frequency_penalty=0.5,
+                                           logit_bias={"2": -100}),
+                            SamplingParams(temperature=0, logprobs=3)]}[mix]
+    seqs = [make_seq(params, output=(4, 4, 5)) for params in kinds]
+    logits = torch.randn(len(seqs), 50, generator=torch.Generator().manual_seed(0))
+    calls = []
+    for name in ("tolist", "item"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: calls.append(_name)
+                            or _real(self, *a))
+    tokens = Sampler(CPU, seed=0)(logits, seqs)
+    assert len(tokens) == len(seqs) and calls == ["tolist"]

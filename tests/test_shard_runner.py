@@ -13,13 +13,13 @@ from jobs.paths import JobPaths, new_job_id
 from jobs.results import read_results
 from jobs.paths import input_shard_name as shard_file_name
 from jobs.submission import create_job_from_file
-from workers.engine_holder import EngineHolder
+from workers.engine_cache import EngineCache
 from workers.shard_runner import run_shard
 
 
 @pytest.fixture(scope="module")
 def engines():
-    return EngineHolder()
+    return EngineCache()
 
 
 @pytest.fixture

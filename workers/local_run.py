@@ -25,7 +25,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import ledger
 from jobs.finalize import abandon_job, finalize_job, refinalize_job
 from jobs.ledger import JobStatus, ShardStatus
-from workers.engine_holder import EngineHolder
+from workers.admission import AdmissionGate
+from workers.engine_cache import EngineCache
 from workers.recovery import DEFAULT_FINALIZE_GRACE_S, sweep_tmp
 from workers.shard_runner import ShardOutcome, run_shard
 
@@ -68,12 +69,12 @@ def cancelled_on_interrupt(Session: sessionmaker[Session], root, job_id: str) ->
         raise
 
 
-def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_options: dict) -> EngineHolder:
+def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_options: dict) -> EngineCache:
     """Build the job's engine; a model that cannot load fails the job (EngineDidNotStart), not each shard."""
-    engines = EngineHolder()
+    engines = EngineCache()
     try:
         with engines.use(engine_options):
-            pass   # built now; the holder keeps it for the shards
+            pass   # built now; the cache keeps it for the shards
     except Exception as e:
         abandon_job(Session, root, job_id, f"the engine could not start: {e}")
         raise EngineDidNotStart(f"the engine could not start: {e}") from None
@@ -91,7 +92,7 @@ def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: d
     shards) and looks again every poll_s. A job nobody will end is ended here: all its
     shards ended but its finalizer died, or it is being cancelled and nobody holds a shard.
     """
-    engines: EngineHolder | None = None
+    engines: EngineCache | None = None
     try:
         while True:
             with Session() as s:
@@ -120,7 +121,7 @@ def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: d
             engines.close()   # the model and KV cache go now, not when the process ends
 
 
-def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[int], engines: EngineHolder, *,
+def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[int], engines: EngineCache, *,
                shards_in_flight: int, lease_s: float, on_result: Callable[[dict], None] | None = None,
                ) -> list[ShardOutcome]:
     """Run the shards `indexes` of job_id here, up to `shards_in_flight` at a time (each
@@ -133,9 +134,10 @@ def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[
     """
     worker = f"{socket.gethostname()}:{os.getpid()}"
     interrupted = threading.Event()
+    gate = AdmissionGate(engines)
 
     def run(index: int) -> ShardOutcome:
-        with engines.room(stop=interrupted.is_set, shard=(job_id, index)):
+        with gate.room(stop=interrupted.is_set, shard=(job_id, index)):
             with Session() as s:
                 shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
             return run_shard(Session, root, job_id, index, engine_provider=engines.use, worker_name=worker,

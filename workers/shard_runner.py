@@ -2,7 +2,7 @@
 
 Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
 comes from `engine_provider(options)` (a context manager holding the process's engine
-for the shard: workers.engine_holder), so importing this module imports no torch either.
+for the shard: workers.engine_cache), so importing this module imports no torch either.
 What a shard commits is counted in workers.metrics; its log records name the attempt
 (workers.logs).
 Several shards may run at once in one process (threads): each is leased, generated and

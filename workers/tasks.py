@@ -16,28 +16,38 @@ from jobs import ledger
 from jobs.scheduling import priority_rank
 from workers import broker
 from workers.app import app, settings
-from workers.engine_holder import EngineHolder
+from workers.admission import AdmissionGate
+from workers.engine_cache import EngineCache
 from workers.shard_runner import ShardOutcome, run_shard, shutting_down
 
 log = logging.getLogger(__name__)
 
 
 def _has_work(engine_key: str) -> bool:
-    """Whether the queue of a served engine still holds shards (EngineHolder's switch rule)."""
+    """Whether the queue of a served engine still holds shards (EngineCache's switch rule)."""
     cfg = settings()
     return broker.backlog(cfg, cfg.queue_for(engine_key)) > 0
 
 
-# The engines this worker serves (PIPELINE_WORKER_ENGINES); nothing is built at import, so
-# never in a prefork parent: workers.lifecycle preloads the first after the fork.
-_engines = EngineHolder(served=settings().served_engine_options(), has_work=_has_work)
+@functools.cache
+def engines() -> EngineCache:
+    """The engines this worker process serves (PIPELINE_WORKER_ENGINES), made on first use;
+    no model is built before a shard or the preload asks, so never in a prefork parent:
+    workers.lifecycle preloads the first after the fork."""
+    return EngineCache(served=settings().served_engine_options(), has_work=_has_work)
+
+
+@functools.cache
+def gate() -> AdmissionGate:
+    """This process's admission gate in front of its engines."""
+    return AdmissionGate(engines())
 
 
 def preload_engine() -> None:
     """Build this process's first served engine (a worker at start-up, in a thread); a model that
     fails to load is logged here, and each shard then fails and is retried as before."""
     try:
-        _engines.preload()
+        engines().preload()
     except Exception:
         log.exception("loading the engine at start-up failed; shards will try again")
 
@@ -63,7 +73,7 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     priority = broker.priority_of_message((self.request.delivery_info or {}).get("priority"))
 
     def run() -> ShardOutcome:
-        return run_shard(Session, cfg.data_dir, job_id, index, engine_provider=_engines.use,
+        return run_shard(Session, cfg.data_dir, job_id, index, engine_provider=engines().use,
                          worker_name=f"{self.request.hostname}:{os.getpid()}",
                          lease_s=cfg.lease_s, max_attempts=cfg.max_attempts)
 
@@ -78,7 +88,7 @@ def run_shard_task(self, job_id: str, index: int) -> str:
         # high-priority shard reserved behind low ones starts at the next shard boundary.
         if _keep_queued(Session, job_id, index):
             keep = _every(cfg.queued_grace_s / 3, lambda: _keep_queued(Session, job_id, index))
-            with _engines.room(stop=shutting_down, while_waiting=keep, rank=priority_rank(priority),
+            with gate().room(stop=shutting_down, while_waiting=keep, rank=priority_rank(priority),
                                shard=(job_id, index)):
                 outcome = run()
         else:

@@ -1,5 +1,6 @@
-"""EngineHolder: one engine loop per process, shared by the shards in flight, rebuilt only
-for other options once nobody uses it, and never handed out once it stopped serving."""
+"""EngineCache: one engine loop per process, shared by the shards in flight, rebuilt only
+for other options once nobody uses it, and never handed out once it stopped serving; and
+the AdmissionGate in front of it."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +10,8 @@ import pytest
 
 from pipeline import Request, SamplingParams
 from test_engine import one_torch_thread  # noqa: F401
-from workers.engine_holder import EngineHolder
+from workers.admission import AdmissionGate
+from workers.engine_cache import EngineCache
 
 
 @pytest.fixture
@@ -23,7 +25,7 @@ def generate_one(loop) -> int:
 
 
 def test_same_options_share_one_loop(options):
-    holder = EngineHolder()
+    holder = EngineCache()
     with holder.use(options) as a, holder.use(dict(options)) as b:
         assert a is b and a.is_serving
         assert generate_one(a) == 2
@@ -32,7 +34,7 @@ def test_same_options_share_one_loop(options):
 
 
 def test_other_options_wait_until_the_engine_is_free(options):
-    holder = EngineHolder()
+    holder = EngineCache()
     other = {**options, "num_kv_blocks": 32}
     got, entered, done = {}, threading.Event(), threading.Event()
 
@@ -55,7 +57,7 @@ def test_other_options_wait_until_the_engine_is_free(options):
 
 
 def test_a_loop_that_stopped_serving_is_replaced(options):
-    holder = EngineHolder()
+    holder = EngineCache()
     with holder.use(options) as broken:
         pass
     broken.close()                                          # as if its thread had died
@@ -67,7 +69,8 @@ def test_a_loop_that_stopped_serving_is_replaced(options):
 def test_a_shard_starts_only_when_the_batch_has_room(options):
     """max_num_seqs 2: the loop keeps 4 requests at hand; while a shard keeps it at 4,
     the next shard waits; it goes once fewer are left, or at once when told to stop."""
-    holder = EngineHolder()
+    holder = EngineCache()
+    gate = AdmissionGate(holder)
     finished = []
     with holder.use({**options, "max_num_seqs": 2}) as loop:
         requests = [Request(f"a{i}", prompt_token_ids=[5 + i, 6, 7], params=SamplingParams(
@@ -77,9 +80,9 @@ def test_a_shard_starts_only_when_the_batch_has_room(options):
         assert _wait(lambda: loop.num_unfinished >= 4)
         assert not loop.has_room
         waits = []
-        with holder.room(stop=lambda: True):                # told to stop: enters at once
+        with gate.room(stop=lambda: True):                # told to stop: enters at once
             pass
-        with holder.room(stop=lambda: False, while_waiting=lambda: waits.append(1)):
+        with gate.room(stop=lambda: False, while_waiting=lambda: waits.append(1)):
             assert _wait(lambda: len(finished) >= 3)        # entered once the first shard drained
                                                             # (its thread may lag the engine a little)
         assert waits                                        # and was told it waited
@@ -90,11 +93,11 @@ def test_a_shard_starts_only_when_the_batch_has_room(options):
 def test_waiting_shards_enter_by_rank_then_job_then_index():
     """Threads reach the gate in any order: a higher rank goes first, then the job that
     came first, and one job's shards in index order."""
-    holder = EngineHolder()
+    gate = AdmissionGate(EngineCache())
     entered, release = [], threading.Event()
 
     def enter(shard, rank=1):
-        with holder.room(stop=lambda: False, rank=rank, shard=shard, settle_s=60):
+        with gate.room(stop=lambda: False, rank=rank, shard=shard, settle_s=60):
             entered.append(shard)
             if shard == ("a", 0):
                 release.wait(30)   # the next may enter only once this one left
@@ -103,15 +106,15 @@ def test_waiting_shards_enter_by_rank_then_job_then_index():
     threads[0].start()
     assert _wait(lambda: entered == [("a", 0)])
     for shard, rank in ((("b", 2), 1), (("a", 3), 1), (("b", 1), 1), (("a", 2), 1), (("c", 5), 0), (("a", 1), 1)):
-        waiting = len(holder._waiting)
+        waiting = gate.num_waiting
         threads.append(threading.Thread(target=enter, args=(shard, rank)))
         threads[-1].start()
-        assert _wait(lambda: len(holder._waiting) == waiting + 1)   # arrived, in this order
+        assert _wait(lambda: gate.num_waiting == waiting + 1)   # arrived, in this order
     release.set()
     for thread in threads:
         thread.join(30)
     assert entered == [("a", 0), ("c", 5), ("b", 1), ("b", 2), ("a", 1), ("a", 2), ("a", 3)]
-    assert not holder._waiting
+    assert gate.num_waiting == 0
 
 
 def _wait(predicate, timeout_s: float = 30) -> bool:
