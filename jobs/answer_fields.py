@@ -124,10 +124,25 @@ def _tools(name, v, _):
     return v
 
 
+def echo_setting(req: dict, endpoint: str | None, logprobs: int | None, problems: list[str]) -> bool:
+    """OpenAI completions' echo: the answer's text starts with the prompt. With logprobs it
+    would need the prompt tokens' logprobs too, which are not computed yet: refused."""
+    value = req.get("echo")
+    if value is None or endpoint is None:
+        return False
+    if not isinstance(value, bool):
+        problems.append(f"echo must be true or false, got {describe(value)}")
+        return False
+    if value and logprobs is not None:
+        problems.append("echo with logprobs (the prompt tokens' logprobs) is not supported yet; "
+                        "ask for echo or for logprobs")
+    return value
+
+
 def logprobs_setting(req: dict, endpoint: str | None, problems: list[str]) -> int | None:
     """How many top alternatives to return with each token's logprob (0: the token's only),
     or None for no logprobs. OpenAI's chat: logprobs true with top_logprobs 0..20; its
-    completions: logprobs 0..5 (echo, the prompt's logprobs, not yet); ours: logprobs 0..20."""
+    completions: logprobs 0..5; ours: logprobs 0..20."""
     value = req.get("logprobs")
     if endpoint == CHAT_ENDPOINT:
         top = req.get("top_logprobs")
@@ -140,8 +155,6 @@ def logprobs_setting(req: dict, endpoint: str | None, problems: list[str]) -> in
         if not value:
             return None
         return 0 if top is None else check(int_in(0, MAX_TOP_LOGPROBS), "top_logprobs", top, None, problems)
-    if endpoint is not None and req.get("echo") not in (None, False):
-        problems.append("echo (the prompt's logprobs) is not supported yet; leave it out or false")
     if value is None:
         return None
     return check(int_in(0, 5 if endpoint is not None else MAX_TOP_LOGPROBS), "logprobs", value, None, problems)

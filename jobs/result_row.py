@@ -44,11 +44,12 @@ SHARD_TOTALS = ("completed_requests", "failed_requests", *SUMMED_COLUMNS)
 
 
 def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str | None = None,
-                model: str | None = None) -> dict:
+                model: str | None = None, echo: str | None = None) -> dict:
     """The row of a request the engine finished (any finish reason); tool_call: the function
     its answer calls, when the request forced one (its output is the arguments); model:
-    the name the line gave its model (OpenAI output reports it)."""
-    return {"id": out.id, "choice": out.choice, "output": out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
+    the name the line gave its model (OpenAI output reports it); echo: the prompt, put before
+    the answer's text (OpenAI completions' echo)."""
+    return {"id": out.id, "choice": out.choice, "output": (echo or "") + out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from jobs.atomic import describe_file_type
-from jobs.answer_fields import forced_tool, logprobs_setting, structured_output
+from jobs.answer_fields import echo_setting, forced_tool, logprobs_setting, structured_output
 from jobs.request_fields import (
     DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
     request_inputs, request_timeout, sampling_settings, string, too_deep,
@@ -83,6 +83,7 @@ class RequestSpec:
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
     logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
     n: int = 1                               # answers wanted: one result row per choice
+    echo: bool = False                       # completions: the answer's text starts with the prompt
 
     def to_dict(self) -> dict:
         """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
@@ -102,7 +103,7 @@ _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
 _OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
-                    "n": 1}
+                    "n": 1, "echo": False}
 
 
 @dataclass
@@ -290,6 +291,7 @@ class _Reader:
         timeout_s = request_timeout(req, problems)
         structured = structured_output(req, problems)
         logprobs = logprobs_setting(req, self.endpoint if fmt == "openai" else None, problems)
+        echo = echo_setting(req, self.endpoint if fmt == "openai" else None, logprobs, problems)
         tools, tool_call, tool_spec = forced_tool(req, problems)
         if tool_spec is not None:
             if structured is not None:
@@ -310,7 +312,8 @@ class _Reader:
         if problems:
             raise Bad("; ".join(problems))
         return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s,
-                           structured_output=structured, tools=tools, tool_call=tool_call, logprobs=logprobs)
+                           structured_output=structured, tools=tools, tool_call=tool_call, logprobs=logprobs,
+                           echo=echo)
 
     def _parse(self, number: int, raw: bytes) -> dict:
         if number == 1 and raw.startswith(_BOM):

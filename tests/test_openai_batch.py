@@ -430,3 +430,23 @@ def test_n_choices_run_as_one_output_line_each_and_one_result_row_per_choice(run
     assert [c.message.content for c in sampled.choices] == [by_key["sampled", c]["output"] for c in range(3)]
     assert sampled.usage.prompt_tokens == prompt_tokens   # once, not once per choice
     assert sampled.usage.completion_tokens == sum(by_key["sampled", c]["output_tokens"] for c in range(3))
+
+
+def test_echo_puts_the_prompt_before_the_answer_and_refuses_the_prompts_logprobs(runner, data_root, tmp_path,
+                                                                                  tiny_model_dir):
+    body = {"model": "m", "prompt": PROMPTS["story"], "max_tokens": 4, "temperature": 0}
+    rows = [openai_line("plain", COMPLETIONS, body), openai_line("echoed", COMPLETIONS, {**body, "echo": True})]
+    done = runner.invoke(main, ["run", str(write_jsonl(tmp_path / "echo.jsonl", rows)), "--model",
+                                str(tiny_model_dir), "--served-model-name", "m", *FAST])
+    assert done.exit_code == 0, done.output
+    job_id = re.search(r"job (job_[0-9a-f]{16})", done.stderr)[1]
+    by_id = result_rows(data_root, job_id)
+    assert by_id["echoed"]["output"] == PROMPTS["story"] + by_id["plain"]["output"]
+    ok_lines, _ = export_openai(runner, job_id, tmp_path / "out.jsonl")
+    texts = {line["custom_id"]: Completion.model_validate(line["response"]["body"]).choices[0].text
+             for line in ok_lines}
+    assert texts["echoed"] == PROMPTS["story"] + texts["plain"]
+    both = [openai_line("x", COMPLETIONS, {**body, "echo": True, "logprobs": 2})]
+    refused = runner.invoke(main, ["run", str(write_jsonl(tmp_path / "both.jsonl", both)), "--model",
+                                   str(tiny_model_dir), "--served-model-name", "m", *FAST])
+    assert refused.exit_code == 2 and "echo with logprobs" in refused.stderr, refused.output

@@ -220,7 +220,8 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
         stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
         for out in engine.generate(requests, should_stop=stop):
             spec = by_id[out.id]
-            row = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model)
+            row = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model,
+                                         echo=spec.prompt if spec.echo else None)
             rows[out.id, out.choice] = row
             _notify(on_result, row)
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
