@@ -124,18 +124,15 @@ def _tools(name, v, _):
     return v
 
 
-def echo_setting(req: dict, endpoint: str | None, logprobs: int | None, problems: list[str]) -> bool:
-    """OpenAI completions' echo: the answer's text starts with the prompt. With logprobs it
-    would need the prompt tokens' logprobs too, which are not computed yet: refused."""
+def echo_setting(req: dict, endpoint: str | None, problems: list[str]) -> bool:
+    """OpenAI completions' echo: the answer's text starts with the prompt, and with logprobs
+    its logprobs start with the prompt tokens' (the first one's null)."""
     value = req.get("echo")
     if value is None or endpoint is None:
         return False
     if not isinstance(value, bool):
         problems.append(f"echo must be true or false, got {describe(value)}")
         return False
-    if value and logprobs is not None:
-        problems.append("echo with logprobs (the prompt tokens' logprobs) is not supported yet; "
-                        "ask for echo or for logprobs")
     return value
 
 

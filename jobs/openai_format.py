@@ -76,7 +76,8 @@ def _logprobs(entries: list[dict] | None, endpoint: str) -> dict | None:
         offsets.append(at)
         at += len(entry["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],   # None: an echoed prompt's first token
             "text_offset": offsets}
 
 

@@ -48,12 +48,18 @@ def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str 
     """The row of a request the engine finished (any finish reason); tool_call: the function
     its answer calls, when the request forced one (its output is the arguments); model:
     the name the line gave its model (OpenAI output reports it); echo: the prompt, put before
-    the answer's text (OpenAI completions' echo)."""
+    the answer's text (OpenAI completions' echo), its tokens' logprobs before the answer's."""
     return {"id": out.id, "choice": out.choice, "output": (echo or "") + out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,
-            "model": model, "logprobs": out.logprobs}
+            "model": model, "logprobs": _echoed(out) if echo is not None else out.logprobs}
+
+
+def _echoed(out: RequestOutput) -> list[dict] | None:
+    if out.logprobs is None:
+        return None
+    return [*(out.prompt_logprobs or ()), *out.logprobs]
 
 
 def error_row(request_id: str, error: str, shard: int, attempt: int, choice: int = 0) -> dict:

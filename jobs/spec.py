@@ -291,7 +291,7 @@ class _Reader:
         timeout_s = request_timeout(req, problems)
         structured = structured_output(req, problems)
         logprobs = logprobs_setting(req, self.endpoint if fmt == "openai" else None, problems)
-        echo = echo_setting(req, self.endpoint if fmt == "openai" else None, logprobs, problems)
+        echo = echo_setting(req, self.endpoint if fmt == "openai" else None, problems)
         tools, tool_call, tool_spec = forced_tool(req, problems)
         if tool_spec is not None:
             if structured is not None:

@@ -195,7 +195,7 @@ class Engine:
                 seq.first_scheduled_time = now
         try:
             self.runner.copy_blocks(self.block_manager.take_copies())   # forked choices' copies on write
-            sampling, logits = self.runner.run(batch)
+            step = self.runner.run(batch)
         except BaseException:
             # This step's full blocks were already made findable; their content may now
             # never have been written. Drop the work and the whole cache, not just those.
@@ -205,6 +205,9 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         self.num_steps += 1
+        if step.prompt_spans:
+            self._score_prompts(step.prompt_logits, step.prompt_spans)
+        sampling, logits = step.sampling, step.logits
         if not sampling:
             return timed_out
         if any(seq.num_forks for seq in sampling):
@@ -219,7 +222,8 @@ class Engine:
             if any(self._append_token(seq, token) for token in tokens):   # stops at the first that ends it
                 seq.finish_time = now
                 self.scheduler.finish(seq)
-                finished.append(_output_of(seq, logprobs=self._logprobs_of(seq)))
+                finished.append(_output_of(seq, logprobs=self._logprobs_of(seq),
+                                           prompt_logprobs=self._prompt_logprobs_of(seq)))
             elif seq.draft_token_ids:
                 self.scheduler.discard_rejected(seq)
         return finished
@@ -246,6 +250,27 @@ class Engine:
             row += width
         return order, logits.index_select(0, torch.tensor(rows, device=logits.device))
 
+    def _score_prompts(self, logits: torch.Tensor, spans) -> None:
+        """Prompt logprobs of this step's prompt positions, on the device: each span's flat
+        tensor waits on its sequence until the sampler brings it back with the step's one
+        transfer (at the latest in the step that computes the prompt's last token)."""
+        targets = [t for seq, first, count in spans for t in seq.prompt_token_ids[first + 1:first + 1 + count]]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1)
+        k = max(seq.prompt_logprobs.num_top for seq, _, _ in spans)
+        top = logprobs.topk(k, dim=-1) if k else None
+        at = 0
+        for seq, first, count in spans:
+            scored = seq.prompt_logprobs
+            parts = [chosen[at:at + count]]
+            if scored.num_top:
+                parts += [top.values[at:at + count, :scored.num_top].flatten(),
+                          top.indices[at:at + count, :scored.num_top].flatten().to(chosen.dtype)]
+            # -inf (a token the model rules out) reported as OpenAI's -9999.0, as for output tokens
+            scored.pending.append((torch.cat(parts).double().clamp_min(-9999.0), targets[at:at + count]))
+            scored.next_position = first + count
+            at += count
+
     def _mask_constrained(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
         """Only the grammar's tokens stay possible in the rows of constrained sequences (each
         has one logits row: they are never drafted)."""
@@ -265,7 +290,18 @@ class Engine:
         return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
                 for token, logprob, top in seq.logprobs[:seq.num_output_tokens]]
 
-    def _token_entry(self, token_id: int, logprob: float) -> dict:
+    def _prompt_logprobs_of(self, seq: Sequence) -> list[dict] | None:
+        """seq's prompt logprobs as entries: the first token's logprob and alternatives are None
+        (nothing comes before it), as OpenAI's echo returns them."""
+        scored = seq.prompt_logprobs
+        if scored is None:
+            return None
+        entry = self._token_entry
+        first = {**entry(seq.prompt_token_ids[0], None), "top_logprobs": None}
+        return [first, *({**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                         for token, logprob, top in scored.entries)]
+
+    def _token_entry(self, token_id: int, logprob: float | None) -> dict:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
@@ -287,8 +323,8 @@ class Engine:
             self.scheduler.finish(seq)   # frees its blocks
         # A first choice that timed out before its prompt was computed never forked the others.
         expired += [self._unforked(seq, choice, now) for seq in list(expired) for choice in range(1, seq.num_forks + 1)]
-        return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s", logprobs=self._logprobs_of(seq))
-                for seq in expired]
+        return [_output_of(seq, error=f"timed out after {seq.timeout_s:g} s", logprobs=self._logprobs_of(seq),
+                           prompt_logprobs=self._prompt_logprobs_of(seq)) for seq in expired]
 
     def _unforked(self, seq: Sequence, choice: int, now: float) -> Sequence:
         child = seq.fork(choice, self._detokenizer(seq.prompt_token_ids, seq.params))
@@ -324,7 +360,8 @@ class Engine:
         return True
 
 
-def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | None = None) -> RequestOutput:
+def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | None = None,
+               prompt_logprobs: list[dict] | None = None) -> RequestOutput:
     return RequestOutput(
         id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
         finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,
@@ -332,7 +369,7 @@ def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | N
         ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
         draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid,
-        logprobs=logprobs, choice=seq.choice)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=seq.choice)
 
 
 def _error_outputs(request: Request, error: str, prompt_tokens: int, arrival: float) -> list[RequestOutput]:

@@ -13,10 +13,15 @@ drafts as 1 + K rows over its own blocks, row i attending to the context up to i
 every token's keys and values are written before attention reads them. It gets logits
 for all 1 + K rows.
 
+A sequence asking for prompt logprobs also gets logits for the rows of its prompt chunk
+(prompt_logits, beside the sampling rows' logits).
+
 Decode-only steps on CUDA replay a captured CUDA graph when the backend allows it
 (cuda_graphs.py); every other step runs eagerly.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +30,15 @@ from pipeline.attention_backends import AttentionBackend, HostToDevice, StepLayo
 from pipeline.kv_cache import KVCache
 from pipeline.scheduler import ScheduledBatch
 from pipeline.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """What a step's forward gives the engine."""
+    sampling: list[Sequence]   # the sequences whose last token was computed: they sample now
+    logits: torch.Tensor       # [rows, vocab]: one row each, 1 + len(draft_token_ids) with drafts, in order
+    prompt_logits: torch.Tensor | None = None   # [positions, vocab]: prompt positions scoring the next token
+    prompt_spans: tuple = ()   # (seq, first position, count) for each sequence in prompt_logits, in order
 
 
 class ModelRunner:
@@ -51,25 +65,28 @@ class ModelRunner:
             self.kv_cache.copy_blocks(copies)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the sequences whose last token was computed (they sample
-        now) and their logits [rows, vocab]: one row each, 1 + len(draft_token_ids) for a
-        sequence with drafts, in the order of the returned sequences."""
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        """Run one step: the logits of the sequences that sample now, and of the prompt
+        positions whose logprobs are asked for (Sequence.wants_prompt_logits)."""
         order = sorted(range(len(batch.seqs)),
                        key=lambda i: not (batch.num_new_tokens[i] == 1 or batch.seqs[i].draft_token_ids))
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
         layout = self._prepare(seqs, num_new)
         sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n >= s.num_tokens]
+        prompt_rows, spans = _prompt_rows(seqs, num_new)
         if (self.graphs is not None and layout.is_plain_decode and len(sampling) == layout.num_seqs
-                and self.graphs.serves(layout.num_seqs)):
+                and not spans and self.graphs.serves(layout.num_seqs)):
             hidden = self.graphs.replay(layout, self.to_device)   # every row samples
-            return sampling, self.model.compute_logits(hidden)
+            return StepLogits(sampling, self.model.compute_logits(hidden))
         hidden = self.forward(layout)                                   # [tokens, hidden]
+        prompt_logits = None
+        if spans:
+            prompt_logits = self.model.compute_logits(hidden[self.to_device("prompt_rows", prompt_rows)])
         if not sampling:
-            return [], hidden.new_empty((0, 0))
+            return StepLogits([], hidden.new_empty((0, 0)), prompt_logits, spans)
         sample_rows = self.to_device("sample_rows", layout.sample_rows)
-        return sampling, self.model.compute_logits(hidden[sample_rows])  # [sampling, vocab]
+        return StepLogits(sampling, self.model.compute_logits(hidden[sample_rows]), prompt_logits, spans)
 
     def forward(self, layout: StepLayout) -> torch.Tensor:
         """The eager forward of a step: hidden states [tokens, hidden]."""
@@ -115,3 +132,20 @@ class ModelRunner:
                           block_tables=block_tables, num_decode_seqs=num_decode,
                           sample_rows=np.array(sample_rows, dtype=np.int64), block_size=bs,
                           pad_block=self.kv_cache.pad_block)
+
+
+def _prompt_rows(seqs: list[Sequence], num_new: list[int]) -> tuple[np.ndarray, tuple]:
+    """The packed rows of the prompt positions whose logits are wanted this step, and the
+    (seq, first position, count) span of each sequence among them. Position p's logits score
+    prompt token p + 1, so a prompt of P tokens wants positions 0 .. P - 2, once each."""
+    rows, spans, base = [], [], 0
+    for seq, n in zip(seqs, num_new):
+        if seq.wants_prompt_logits:
+            start = seq.num_computed_tokens
+            first = max(start, seq.prompt_logprobs.next_position)
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if last > first:
+                rows.extend(range(base + first - start, base + last - start))
+                spans.append((seq, first, last - first))
+        base += n
+    return np.asarray(rows, dtype=np.int64), tuple(spans)

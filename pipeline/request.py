@@ -81,5 +81,7 @@ class RequestOutput:
     # params.logprobs: per output token {"token", "logprob", "bytes", "top_logprobs": [...]}, as
     # OpenAI's chat logprobs (token texts as the tokenizer decodes each one alone); else None.
     logprobs: list[dict] | None = None
+    # params.prompt_logprobs: an entry per prompt token, the first with logprob and top_logprobs None
+    prompt_logprobs: list[dict] | None = None
     # Which of the request's params.n answers this is (0 .. n - 1): each choice is its own output.
     choice: int = 0

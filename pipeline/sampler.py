@@ -43,36 +43,48 @@ class Sampler:
                 tokens = drawn
             else:
                 tokens[self._to_device(np.asarray(sampled, dtype=np.int64))] = drawn
-        if any(s.logprobs is not None for s in seqs):
-            return self._with_logprobs(logits, tokens, seqs)
+        # Prompt logprobs computed in this or earlier steps (Engine._score_prompts), once per
+        # request (the forks of an n > 1 request share them).
+        prompts = list({id(s.prompt_logprobs): s.prompt_logprobs for s in seqs
+                        if s.prompt_logprobs is not None and s.prompt_logprobs.pending}.values())
+        if prompts or any(s.logprobs is not None for s in seqs):
+            return self._with_logprobs(logits, tokens, seqs, prompts)
         return tokens.tolist()   # the step's one host transfer
 
-    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The tokens, and each asking row's logprobs appended to its sequence, in the same
-        one transfer: ids travel as float64 beside the logprobs (exact below 2**53)."""
+    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence],
+                       prompts: list) -> list[int]:
+        """The tokens, each asking row's logprobs appended to its sequence and the prompt
+        logprobs waiting on the device, in the same one transfer: ids travel as float64
+        beside the logprobs (exact below 2**53)."""
         rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        k = max(seqs[i].params.logprobs for i in rows)
-        if len(rows) == len(seqs):   # every row asks (a job that wants logprobs usually does)
-            asking, chosen_tokens = logits, tokens
-        else:
-            index = self._to_device(np.asarray(rows, dtype=np.int64))
-            asking, chosen_tokens = logits.index_select(0, index), tokens.index_select(0, index)
-        # (log_softmax then a gather is faster on a CPU than logsumexp over the same rows)
-        logprobs = torch.log_softmax(asking.float(), dim=-1)                             # [rows, vocab]
-        chosen = logprobs.gather(1, chosen_tokens.unsqueeze(1)).squeeze(1)
-        # A token a grammar or a -100 bias ruled out has -inf: reported as OpenAI's -9999.0 (JSON has no -inf).
-        parts = [tokens.double(), chosen.double().clamp_min(-9999.0)]
-        if k:
-            top = logprobs.topk(k, dim=-1)
-            parts += [top.values.double().clamp_min(-9999.0).flatten(), top.indices.double().flatten()]
+        k = max((seqs[i].params.logprobs for i in rows), default=0)
+        parts = [tokens.double()]
+        if rows:
+            if len(rows) == len(seqs):   # every row asks (a job that wants logprobs usually does)
+                asking, chosen_tokens = logits, tokens
+            else:
+                index = self._to_device(np.asarray(rows, dtype=np.int64))
+                asking, chosen_tokens = logits.index_select(0, index), tokens.index_select(0, index)
+            # (log_softmax then a gather is faster on a CPU than logsumexp over the same rows)
+            logprobs = torch.log_softmax(asking.float(), dim=-1)                             # [rows, vocab]
+            chosen = logprobs.gather(1, chosen_tokens.unsqueeze(1)).squeeze(1)
+            # A token a grammar or a -100 bias ruled out has -inf: reported as OpenAI's -9999.0 (JSON has no -inf).
+            parts.append(chosen.double().clamp_min(-9999.0))
+            if k:
+                top = logprobs.topk(k, dim=-1)
+                parts += [top.values.double().clamp_min(-9999.0).flatten(), top.indices.double().flatten()]
+        parts += [flat for scored in prompts for flat, _ in scored.pending]
         values = torch.cat(parts).tolist()   # the step's one host transfer
         n, m = len(seqs), len(rows)
         token_ids = [int(t) for t in values[:n]]
-        top_values, top_ids = values[n + m:n + m + m * k], values[n + m + m * k:]
+        top_values, top_ids = values[n + m:n + m + m * k], values[n + m + m * k:n + m + 2 * m * k]
         for j, i in enumerate(rows):
             want = seqs[i].params.logprobs
             alternatives = [(int(top_ids[j * k + r]), top_values[j * k + r]) for r in range(want)]
             seqs[i].logprobs.append((token_ids[i], values[n + j], alternatives))
+        at = n + m + 2 * m * k
+        for scored in prompts:
+            at = _unpack_prompt_logprobs(scored, values, at)
         return token_ids
 
     def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -165,3 +177,19 @@ class Sampler:
             min_ps = column([p.min_p for p in params])
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _unpack_prompt_logprobs(scored, values: list[float], at: int) -> int:
+    """Append the entries of scored's pending spans, read from values[at:]; returns where
+    they end. A span's flat tensor holds its count logprobs, then count * num_top top
+    values, then as many top ids (Engine._score_prompts)."""
+    k = scored.num_top
+    for _, targets in scored.pending:
+        count = len(targets)
+        chosen, tops, ids = at, at + count, at + count + count * k
+        for j, token in enumerate(targets):
+            alternatives = [(int(values[ids + j * k + r]), values[tops + j * k + r]) for r in range(k)]
+            scored.entries.append((token, values[chosen + j], alternatives))
+        at += count * (1 + 2 * k)
+    scored.pending.clear()
+    return at

@@ -39,6 +39,10 @@ class SamplingParams:
     # Independent answers to the same prompt (OpenAI's n): the prompt is computed once and its
     # KV blocks shared by the n sequences; a seed gives each choice its own reproducible stream.
     n: int = 1
+    # Each prompt token's logprob (after the first, which nothing predicts) and this many top
+    # alternatives (0..20), from the logits of the position before it; None: none. A request
+    # that asks computes its whole prompt (the prefix cache cannot give logits back).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,8 +66,10 @@ class SamplingParams:
                 raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if self.structured_output is not None:
             from pipeline.structured_output import check
 

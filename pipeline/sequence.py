@@ -18,6 +18,19 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+class PromptLogprobs:
+    """A request's prompt logprobs as they are computed, chunk by chunk: `entries` (token id,
+    logprob, [(top id, logprob), ...]) for prompt positions 1 .. next_position, the last ones
+    possibly still on the device in `pending` (flat tensors the sampler brings back with its
+    one transfer). Shared by the forks of an n > 1 request: their prompt is the same."""
+
+    def __init__(self, num_top: int):
+        self.num_top = num_top
+        self.next_position = 0   # the next prompt position whose logits are wanted (it scores the token after it)
+        self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self.pending: list[tuple] = []   # (flat device tensor, tokens scored, top alternatives in it)
+
+
 class Sequence:
     """Tokens of one request plus how far the KV cache has caught up with them.
 
@@ -67,6 +80,7 @@ class Sequence:
         # params.logprobs: one (token id, logprob, [(top id, logprob), ...]) per output token.
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = (
             [] if params.logprobs is not None else None)
+        self.prompt_logprobs = PromptLogprobs(params.prompt_logprobs) if params.prompt_logprobs is not None else None
 
     @property
     def seed(self) -> int | None:
@@ -84,12 +98,18 @@ class Sequence:
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, detokenizer,
                          self.arrival_time, self.timeout_s)
         child.choice, child.num_forks = choice, 0
+        child.prompt_logprobs = self.prompt_logprobs
         child.first_scheduled_time = self.first_scheduled_time
         return child
 
     def is_timed_out(self, now: float) -> bool:
         return (self.timeout_s is not None and self.first_scheduled_time is not None
                 and now - self.first_scheduled_time >= self.timeout_s)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether some prompt position's logits are still to be computed (params.prompt_logprobs)."""
+        return self.prompt_logprobs is not None and self.prompt_logprobs.next_position < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_tokens(self) -> int:

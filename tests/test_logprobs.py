@@ -101,3 +101,53 @@ def test_openai_lines_get_logprobs_in_their_endpoints_shape(runner, data_root, t
     ((n,),) = duckdb.sql(f"select count(*) from (select unnest(logprobs) from read_parquet('{results}/*.parquet'))"
                          ).fetchall()
     assert n == 6   # DuckDB reads the nested column: one entry per token of the line that asked
+
+
+def prompt_reference(model, prompt_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 log-softmax at each prompt position but the last: [len - 1, vocab]."""
+    with torch.inference_mode():
+        return model(torch.tensor([prompt_ids])).logits[0, :-1].log_softmax(-1)
+
+
+@pytest.mark.parametrize("chunk", [512, 7])   # the prompt in one step, or in chunks of 7 tokens
+def test_prompt_logprobs_are_the_models_log_softmax_however_the_prompt_is_chunked(tiny_model_dir, hf_tiny, chunk):
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=256,
+                                 max_num_batched_tokens=chunk, enable_prefix_caching=True))
+    prompt = "Once upon a time, in a land far away, there lived a small dragon who loved to read."
+    params = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    # The same prompt first without prompt logprobs, so its blocks are in the prefix cache.
+    (warm,) = engine.generate([Request("warm", prompt=prompt, params=SamplingParams(**params))])
+    outs = {(o.id, o.choice): o for o in engine.generate([
+        Request("p", prompt=prompt, params=SamplingParams(**params, prompt_logprobs=3, n=2)),
+        Request("other", prompt="Hello there", params=SamplingParams(**params, logprobs=1))])}
+    prompt_ids = engine.tokenize(Request("x", prompt=prompt))
+    reference = prompt_reference(hf_tiny, prompt_ids)
+    entries = outs["p", 0].prompt_logprobs
+    assert outs["p", 0].cached_tokens == 0   # computed, not taken from the cache: its logits are needed
+    assert len(entries) == len(prompt_ids) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
+    assert [e["token"] for e in entries] == [engine.tokenizer.decode([t]) for t in prompt_ids]
+    for position, entry in enumerate(entries[1:]):
+        token = prompt_ids[position + 1]
+        assert entry["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-4)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            reference[position].topk(3).values.tolist(), abs=1e-4)
+    assert outs["p", 1].prompt_logprobs == entries   # the choices share one prompt
+    assert outs["p", 0].token_ids == warm.token_ids
+    assert outs["other", 0].prompt_logprobs is None and len(outs["other", 0].logprobs) == 3
+
+
+def test_a_step_with_prompt_logprobs_still_makes_one_host_transfer(tiny_model_dir, monkeypatch):
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=256,
+                                 max_num_batched_tokens=8))
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", prompt_token_ids=list(range(10 + i, 40 + i)),
+                                   params=SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)))
+    calls = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or real(self))
+    finished = []
+    while engine.has_unfinished_requests:
+        before = len(calls)
+        finished += engine.step()
+        assert len(calls) - before <= 1
+    assert sorted(len(o.prompt_logprobs) for o in finished) == [30, 30, 30]

@@ -142,7 +142,8 @@ def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
     """The engine request of a shard line (timeout_s: the job's, for a line without its
     own); ValueError if the engine rejects its settings."""
     # Every sampling setting a shard line carries (stop_token_ids is engine-only).
-    params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)})
+    params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)},
+                            prompt_logprobs=spec.logprobs if spec.echo else None)   # echo: the prompt's too
     return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params,
                    timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
 
