@@ -68,6 +68,9 @@ class Server:
         return sorted(p.name for p in files.iterdir()) if files.exists() else []
 
 
+SERVED_AS = ["--served-model-name", "SmolLM2-135M-Instruct", "--served-model-name", "gpt-4o-mini"]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, bundled_model_dir):
     tmp = tmp_path_factory.mktemp("api")
@@ -83,8 +86,9 @@ def server(tmp_path_factory, bundled_model_dir):
         keys[name] = done.stdout.strip()
     port = free_port()
     log = open(tmp / "serve.log", "wb")
+    # Lines may name the model as the bundled directory does, or as a hosted API's file would.
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--shard-size", "2",
-                             "--device", "cpu", "--kv-cache-gib", "0.1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--device", "cpu", "--kv-cache-gib", "0.1", *SERVED_AS], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base_url = f"http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + 60
@@ -244,7 +248,7 @@ def test_a_bad_upload_returns_the_line_numbered_errors_and_keeps_nothing(server)
     reported = [line.split(":")[0] for line in message.splitlines()[1:]]
     assert reported == ["line 2", "line 3", "line 4"], message
     assert 'method must be "POST"' in message and "n must be between 1 and 128, got 129" in message
-    assert "model 'gpt-4o' is not the job's model" in message
+    assert "model 'gpt-4o' is not a name of the job's model" in message
     with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
         client.files.create(file=("ok.jsonl", jsonl(BAD_ROWS[:1])), purpose="fine-tune")
     assert server.stored_files() == before and {f.id for f in client.files.list()} == files_before
@@ -252,10 +256,28 @@ def test_a_bad_upload_returns_the_line_numbered_errors_and_keeps_nothing(server)
 
 def test_models_lists_the_served_model_for_the_openai_client(server):
     client = server.client()
-    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
-    assert client.models.retrieve("SmolLM2-135M-Instruct").object == "model"
+    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct", "gpt-4o-mini"]
+    assert client.models.retrieve("gpt-4o-mini").object == "model"
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("gpt-4o-mini")
+        client.models.retrieve("gpt-4o")
+
+
+def test_an_unchanged_hosted_batch_file_runs_with_n_choices_through_the_client(server):
+    """Every line names gpt-4o-mini, as a hosted API's file does; one asks for 3 choices."""
+    client = server.client()
+    rows = [batch_line("capital", CHATS["capital"], max_tokens=8, n=3, model="gpt-4o-mini"),
+            batch_line("greet", CHATS["greet"], max_tokens=8, model="gpt-4o-mini")]
+    upload = client.files.create(file=("hosted.jsonl", jsonl(rows)), purpose="batch")
+    batch = wait_until_ended(client, client.batches.create(input_file_id=upload.id, endpoint=CHAT,
+                                                           completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2 and not batch.error_file_id
+    lines = {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"])
+             for line in lines_of(client, batch.output_file_id)}
+    assert {body.model for body in lines.values()} == {"gpt-4o-mini"}
+    capital = lines["capital"]
+    assert [c.index for c in capital.choices] == [0, 1, 2]
+    assert all("Paris" in c.message.content for c in capital.choices)   # greedy: three times the same
+    assert batch.usage.output_tokens == sum(b.usage.completion_tokens for b in lines.values())
 
 
 def test_another_key_gets_404_for_the_first_keys_batch_and_files(server, finished):
