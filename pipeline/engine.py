@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from pipeline import attention_backends, memory_budget
+from pipeline import attention_backends, memory_budget, top_tokens
 from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
 from pipeline.detokenizer import IncrementalDetokenizer
@@ -258,14 +258,14 @@ class Engine:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1)
         k = max(seq.prompt_logprobs.num_top for seq, _, _ in spans)
-        top = logprobs.topk(k, dim=-1) if k else None
+        top_values, top_ids = top_tokens.topk(logprobs, k) if k else (None, None)
         at = 0
         for seq, first, count in spans:
             scored = seq.prompt_logprobs
             parts = [chosen[at:at + count]]
             if scored.num_top:
-                parts += [top.values[at:at + count, :scored.num_top].flatten(),
-                          top.indices[at:at + count, :scored.num_top].flatten().to(chosen.dtype)]
+                parts += [top_values[at:at + count, :scored.num_top].flatten(),
+                          top_ids[at:at + count, :scored.num_top].flatten().to(chosen.dtype)]
             # -inf (a token the model rules out) reported as OpenAI's -9999.0, as for output tokens
             scored.pending.append((torch.cat(parts).double().clamp_min(-9999.0), targets[at:at + count]))
             scored.next_position = first + count

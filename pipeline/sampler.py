@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline import top_tokens
 from pipeline.sequence import Sequence
 
 
@@ -32,13 +33,12 @@ class Sampler:
         """logits: [len(seqs), vocab] float32 -> one token id per sequence."""
         self._apply_penalties(logits, seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        # max(dim).indices: the first maximum, like argmax, but ~3x faster on CPU.
-        tokens = logits.max(dim=-1).indices if len(sampled) < len(seqs) else None
+        tokens = top_tokens.argmax(logits) if len(sampled) < len(seqs) else None
         if sampled:
             rows = [seqs[i] for i in sampled]
             probs = self._filtered_probs(logits[sampled] if tokens is not None else logits,
                                          [s.params for s in rows])
-            drawn = probs.div_(self._exponential_noise(probs, rows)).max(dim=-1).indices
+            drawn = top_tokens.argmax(probs.div_(self._exponential_noise(probs, rows)))
             if tokens is None:
                 tokens = drawn
             else:
@@ -71,8 +71,8 @@ class Sampler:
             # A token a grammar or a -100 bias ruled out has -inf: reported as OpenAI's -9999.0 (JSON has no -inf).
             parts.append(chosen.double().clamp_min(-9999.0))
             if k:
-                top = logprobs.topk(k, dim=-1)
-                parts += [top.values.double().clamp_min(-9999.0).flatten(), top.indices.double().flatten()]
+                values, ids = top_tokens.topk(logprobs, k)
+                parts += [values.double().clamp_min(-9999.0).flatten(), ids.double().flatten()]
         parts += [flat for scored in prompts for flat, _ in scored.pending]
         values = torch.cat(parts).tolist()   # the step's one host transfer
         n, m = len(seqs), len(rows)
@@ -163,7 +163,7 @@ class Sampler:
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if any(k < vocab for k in top_ks):
             k_max = max(top_ks)
-            kth = logits.topk(k_max, dim=-1).values                      # [rows, k_max] sorted
+            kth = top_tokens.topk(logits, k_max)[0]                      # [rows, k_max] sorted
             idx = column(top_ks, torch.int64) - 1
             logits = logits.masked_fill(logits < kth.gather(1, idx), float("-inf"))
         probs = torch.softmax(logits, dim=-1)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pipeline import top_tokens
 from pipeline.sampler import Sampler
 from pipeline.sequence import Sequence
 
@@ -93,7 +94,7 @@ class Speculator:
         greedy = [i for i, s in enumerate(seqs) if s.draft_token_ids and s.params.is_greedy]
         if greedy:
             index = torch.cat([torch.arange(*rows[i], device=logits.device) for i in greedy])
-            targets = logits.index_select(0, index).max(dim=-1).indices.tolist()   # one transfer
+            targets = top_tokens.argmax(logits.index_select(0, index)).tolist()   # one transfer
             at = 0
             for i in greedy:
                 n = rows[i][1] - rows[i][0]
@@ -121,7 +122,7 @@ class Speculator:
         residual = probs.clone()
         residual[torch.arange(k, device=logits.device), draft_index] = 0.0
         noise = torch.empty_like(residual).exponential_(generator=generator).clamp_min_(torch.finfo(residual.dtype).tiny)
-        drawn = residual.div_(noise).max(dim=-1).indices                               # [k + 1]
+        drawn = top_tokens.argmax(residual.div_(noise))                               # [k + 1]
         values = torch.cat([(uniform < p_draft).long(), drawn]).tolist()              # one transfer
         accepted, fallback = values[:k], values[k:]
         j = next((i for i, ok in enumerate(accepted) if not ok), k)
