@@ -185,8 +185,8 @@ def check_throughput(device: str, n: int) -> list[dict]:
                        reason="a GPU-sized model: measured on CUDA only")]
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.bench import run_bench
-    from pipeline.bundled import bundled_model_dir
+    from pipeline.cli.bench import run_bench
+    from pipeline.models.bundled import bundled_model_dir
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, requests = Path(tmp) / "llama-1b-shape", Path(tmp) / "w.jsonl"

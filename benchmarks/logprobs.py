@@ -25,9 +25,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from pipeline.bench import read_workload
+    from pipeline.cli.bench import read_workload
     from pipeline.config import EngineConfig
-    from pipeline.engine import Engine
+    from pipeline.engine.engine import Engine
 
     plain = read_workload(args.workload)
     with_logprobs = [dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs=args.top)) for r in plain]

@@ -23,8 +23,8 @@ import time
 import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from pipeline.attention import AttentionMetadata, PrefillChunk, cache_rows
-from pipeline.bench import read_workload
+from pipeline.layers.attention.cpu_paged import AttentionMetadata, PrefillChunk, cache_rows
+from pipeline.cli.bench import read_workload
 
 TEXT = ("The history of the city begins in the first century, when a small settlement grew up on the "
         "banks of the river. Over the following centuries it became an important market town, and its "

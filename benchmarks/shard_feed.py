@@ -136,7 +136,7 @@ def main() -> None:
                     help="also print the CPU seconds each worker thread used during each job")
     args = ap.parse_args()
 
-    from pipeline.bundled import bundled_model_dir
+    from pipeline.models.bundled import bundled_model_dir
     model_dir = args.model or str(bundled_model_dir())
     tmp = Path(tempfile.mkdtemp(prefix="shard-feed-"))
     env = {**os.environ, "PIPELINE_DATA_DIR": str(tmp / "data"), "PIPELINE_QUEUE": f"bench-{uuid.uuid4().hex[:8]}"}

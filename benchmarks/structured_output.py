@@ -28,9 +28,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
-    from pipeline.bench import read_workload
+    from pipeline.cli.bench import read_workload
     from pipeline.config import EngineConfig
-    from pipeline.engine import Engine
+    from pipeline.engine.engine import Engine
     from pipeline.request import Request
     from pipeline.sampling_params import SamplingParams
 

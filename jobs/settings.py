@@ -5,7 +5,7 @@ the CLI's options take their `envvar=` and defaults from these fields, the Celer
 and its tasks get a Settings object, and jobs/ functions take plain arguments. Plain
 values only (a broker URL is a string), so this module knows nothing of Celery.
 The engine package reads its own two, as it knows nothing of jobs: PIPELINE_CACHE_DIR
-(where the bundled model is converted, pipeline/bundled.py) and PIPELINE_CPU_KERNELS=0
+(where the bundled model is converted and the kernels built, pipeline/config.py) and PIPELINE_CPU_KERNELS=0
 (the C kernels off, pipeline/kernels).
 """
 from __future__ import annotations

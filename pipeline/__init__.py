@@ -15,7 +15,7 @@ from pipeline.sampling_params import SamplingParams
 def __getattr__(name):
     # Engine pulls in torch; import it lazily so `jobs` and the CLI start fast.
     if name == "Engine":
-        from pipeline.engine import Engine
+        from pipeline.engine.engine import Engine
         return Engine
     raise AttributeError(name)
 

@@ -1,14 +1,22 @@
-"""Engine configuration: one validated dataclass."""
+"""Engine configuration: one validated dataclass, and where the engine keeps what it builds once."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "nf4")
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("none", "ngram")
-ATTENTION_BACKENDS = ("auto", "cpu", "varlen", "reference")   # pipeline/attention_backends
+ATTENTION_BACKENDS = ("auto", "cpu", "varlen", "reference")   # pipeline/layers/attention
+
+
+def cache_root() -> Path:
+    """Where the pipeline keeps what it builds once: converted models, compiled kernels
+    (PIPELINE_CACHE_DIR, one of the engine's own two variables; see jobs.settings)."""
+    return Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline")
 
 
 @dataclass(slots=True)
@@ -51,7 +59,7 @@ class EngineConfig:
     # 8: on a CPU, a step of 2-5 rows costs nearly what 9 do (README, Speed).
     speculative: str = "none"
     num_speculative_tokens: int = 8
-    # Attention over the paged cache (pipeline/attention_backends). auto: varlen
+    # Attention over the paged cache (pipeline/layers/attention). auto: varlen
     # (FlashAttention-2) on CUDA in float16/bfloat16 with a cache of that dtype, else cpu
     # (C kernels on a CPU, PyTorch paths elsewhere). reference: plain PyTorch varlen, slow.
     attention_backend: str = "auto"

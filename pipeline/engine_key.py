@@ -21,7 +21,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from pipeline.bundled import BUNDLED_NAME
+from pipeline.models.bundled import BUNDLED_NAME
 from pipeline.config import EngineConfig
 
 WORKER_FIELDS = ("device", "kv_cache_gib", "gpu_memory_utilization", "block_size", "max_num_seqs",

@@ -12,10 +12,10 @@ then choose among the allowed tokens exactly as they would among all.
 How it composes with the rest of the engine: the matcher advances only on tokens that are
 appended to the output, so chunked prefill, prefix caching and preemption by recompute
 (which keeps the output tokens) leave it valid; constrained rows are never drafted by
-speculative decoding (pipeline.speculative skips them). An answer is `valid` when the
+speculative decoding (pipeline.engine.speculative skips them). An answer is `valid` when the
 matcher accepts it at the end: a stop string or max_tokens that cut it short leave it
 invalid, and the results say so. This module only defines the specs (no torch: job
-validation uses it); the engine's masks are pipeline.grammar_masks.
+validation uses it); the engine's masks are pipeline.layers.grammar_masks.
 """
 from __future__ import annotations
 

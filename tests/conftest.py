@@ -84,7 +84,7 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 @pytest.fixture(scope="session")
 def bundled_model_dir():
-    from pipeline.bundled import bundled_model_dir as convert_once
+    from pipeline.models.bundled import bundled_model_dir as convert_once
     return convert_once()
 
 

@@ -1,4 +1,4 @@
-"""Attention backends (pipeline/attention_backends) and CUDA-graph decode (pipeline/cuda_graphs).
+"""Attention backends (pipeline/layers/attention) and CUDA-graph decode (pipeline/cuda_graphs).
 
 The varlen metadata of a hand-made mixed batch against values worked out by hand; the
 plain-PyTorch varlen reference against the cpu backend (C kernels) on that batch; whole
@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
-from pipeline.attention_backends import HostToDevice, LayerCache, select
-from pipeline.attention_backends.cpu import CpuBackend
-from pipeline.attention_backends.varlen import ReferenceVarlenBackend, VarlenBackend
-from pipeline.cuda_graphs import DecodeGraphs, buckets
-from pipeline.kv_cache import KVCache
-from pipeline.model_runner import ModelRunner
+from pipeline.layers.attention import HostToDevice, LayerCache, select
+from pipeline.layers.attention.cpu import CpuBackend
+from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenBackend
+from pipeline.engine.cuda_graphs import DecodeGraphs, buckets
+from pipeline.layers.kv_cache import KVCache
+from pipeline.engine.model_runner import ModelRunner
 from pipeline.sampling_params import SamplingParams as Params
-from pipeline.sequence import Sequence
+from pipeline.engine.sequence import Sequence
 from test_engine import host_reads, one_torch_thread  # noqa: F401
 
 CPU = torch.device("cpu")

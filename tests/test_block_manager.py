@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.block_manager import BlockManager, block_hash
-from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.engine.block_manager import BlockManager, block_hash
+from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.sampling_params import SamplingParams
-from pipeline.sequence import Sequence
+from pipeline.engine.sequence import Sequence
 
 
 def make_seq(request_id: str = "s", num_prompt_tokens: int = 4, ids: list[int] | None = None) -> Sequence:

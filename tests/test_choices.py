@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from pipeline.engine_loop import EngineLoop
+from pipeline.engine.engine_loop import EngineLoop
 from test_engine import BIG_POOL, all_blocks_free, greedy, one_torch_thread, random_prompt  # noqa: F401
 
 

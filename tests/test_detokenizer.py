@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from pipeline.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from pipeline import Engine, EngineConfig, Request
-from pipeline.engine_loop import EngineLoop
+from pipeline.engine.engine_loop import EngineLoop
 from test_engine import BIG_POOL, all_blocks_free, greedy, one_torch_thread, random_prompt, run  # noqa: F401
 
 
@@ -166,7 +166,7 @@ def test_a_failed_build_is_raised_to_the_caller_and_leaves_no_thread():
 EXIT_MID_STEP = """
 import sys, threading, time
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from pipeline.engine_loop import EngineLoop
+from pipeline.engine.engine_loop import EngineLoop
 loop = EngineLoop(lambda: Engine(EngineConfig(device="cpu", model=sys.argv[1])))
 requests = [Request(str(i), prompt="hello " * 40, params=SamplingParams(max_tokens=400, ignore_eos=True))
             for i in range(48)]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import kernels
-from pipeline.attention import DecodeLayout, decode_attention_torch, gather_context
+from pipeline.layers.attention.cpu_paged import DecodeLayout, decode_attention_torch, gather_context
 
 
 def random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens, seed=0):
@@ -140,7 +140,7 @@ def test_silu_and_mul_matches_pytorch_over_the_float_range():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_write_kv_matches_pytorch(dtype):
-    from pipeline.attention import cache_rows, write_kv
+    from pipeline.layers.attention.cpu_paged import cache_rows, write_kv
     from pipeline.models.llama import Rotation, apply_rotary
     heads, kv_heads, head_dim, block_size, tokens = 6, 2, 16, 4, 9
     torch.manual_seed(0)
@@ -187,10 +187,10 @@ def test_without_a_compiler_the_pytorch_path_is_used(tmp_path):
     assert "PyTorch path" in result.stderr
 
 
-# ---- INT8 KV cache (pipeline/kv_quant.py) --------------------------------------------------
+# ---- INT8 KV cache (pipeline/layers/kv_quant.py) --------------------------------------------------
 
 def test_int8_round_trip_error_is_at_most_half_a_step():
-    from pipeline.kv_quant import dequantize, quantize
+    from pipeline.layers.kv_quant import dequantize, quantize
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50).view(50, 1, 1)
     x[0, 0] = 0.0                                  # an all-zero head stays exactly zero
@@ -206,7 +206,7 @@ def test_int8_round_trip_error_is_at_most_half_a_step():
 
 
 def int8_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens):
-    from pipeline.kv_quant import quantize
+    from pipeline.layers.kv_quant import quantize
     q, k_cache, v_cache, tables = random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens)
     (k8, ks), (v8, vs) = quantize(k_cache * 3), quantize(v_cache)
     return q, k8, ks, v8, vs, tables
@@ -217,7 +217,7 @@ def int8_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens):
 def test_int8_decode_attention_matches_the_dequantized_reference(num_heads, num_kv_heads, head_dim, dtype):
     """The kernel reads int8 blocks and their scales in place; the PyTorch path dequantizes
     the blocks it gathers; both equal dense attention over the dequantized cache."""
-    from pipeline.kv_quant import dequantize
+    from pipeline.layers.kv_quant import dequantize
     q, k8, ks, v8, vs, tables = int8_paged_batch(num_heads, num_kv_heads, head_dim, 16, LENS)
     q = q.to(dtype)
     scale = head_dim ** -0.5
@@ -236,7 +236,7 @@ def test_int8_decode_attention_matches_the_dequantized_reference(num_heads, num_
 def test_int8_rotary_write_kv_quantizes_like_pytorch(dtype):
     """Same formula on both paths; the rotated keys themselves may differ in the last bit
     (FMA), so a key may round to the neighbouring int8 and its scale differ by an ulp."""
-    from pipeline.attention import cache_rows, write_kv
+    from pipeline.layers.attention.cpu_paged import cache_rows, write_kv
     from pipeline.models.llama import Rotation, apply_rotary
     heads, kv_heads, head_dim, block_size, tokens = 6, 2, 16, 4, 9
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The KV-cache budget and the batch size per device (pipeline/memory_budget.py): a CPU
+"""The KV-cache budget and the batch size per device (pipeline/engine/memory_budget.py): a CPU
 keeps the budget it is given; on CUDA the cache takes what the utilisation share leaves."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.memory_budget import (
+from pipeline.engine.memory_budget import (
     activation_reserve_bytes, budget_from_free_memory, kv_cache_bytes, max_num_seqs,
 )
 from pipeline.models.llama import LlamaArgs

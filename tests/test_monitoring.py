@@ -33,7 +33,7 @@ from jobs.submission import create_job_from_file
 from pipeline import Engine, EngineConfig, Request
 from pipeline.cli import main
 from pipeline.engine_key import engine_key
-from pipeline.engine_loop import EngineLoop
+from pipeline.engine.engine_loop import EngineLoop
 from test_compose import dashboard_queries
 from test_engine import greedy, random_prompt
 from test_fault_tolerance import (  # noqa: F401  (fixtures)

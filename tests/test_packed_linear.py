@@ -9,7 +9,7 @@ from torch import nn
 
 from pipeline import Engine, EngineConfig
 from pipeline.device import cpu_has_native_bf16
-from pipeline.packed_linear import OneDnnLinear, PackedLinear, pack_linear_layers
+from pipeline.layers.packed_linear import OneDnnLinear, PackedLinear, pack_linear_layers
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -85,7 +85,7 @@ def test_engine_packs_bf16_weights_with_onednn(tiny_model_dir):
 
 
 def test_weights_stay_unpacked_when_memory_is_short(monkeypatch):
-    from pipeline import packed_linear
+    from pipeline.layers import packed_linear
     model = nn.ModuleDict({"qkv_proj": nn.Linear(64, 192)})
     monkeypatch.setattr(packed_linear, "_available_memory", lambda: 100_000)   # bytes
     assert pack_linear_layers(model) == 0

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from pipeline.detokenizer import IncrementalDetokenizer
-from pipeline.sampler import Sampler
+from pipeline.engine.detokenizer import IncrementalDetokenizer
+from pipeline.layers.sampler import Sampler
 from pipeline.sampling_params import SamplingParams
-from pipeline.sequence import Sequence
+from pipeline.engine.sequence import Sequence
 
 CPU = torch.device("cpu")
 

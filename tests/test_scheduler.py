@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from pipeline.block_manager import BlockManager
-from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.engine.block_manager import BlockManager
+from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.sampling_params import SamplingParams
-from pipeline.scheduler import Scheduler
-from pipeline.sequence import Sequence, SequenceStatus
+from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.sequence import Sequence, SequenceStatus
 
 
 def make_seq(request_id: str, num_prompt_tokens: int, max_tokens: int = 4,

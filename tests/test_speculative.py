@@ -1,4 +1,4 @@
-"""Speculative decoding (pipeline/speculative.py): n-gram drafts verified in one pass.
+"""Speculative decoding (pipeline/engine/speculative.py): n-gram drafts verified in one pass.
 
 Greedy output must be identical to plain decoding, alone and in a batch; the KV cache's
 blocks exactly accounted for after rejections; stop strings and max_tokens cut inside an
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from pipeline.sampler import Sampler
-from pipeline.sequence import Sequence
-from pipeline.speculative import NgramProposer, Speculator
+from pipeline.layers.sampler import Sampler
+from pipeline.engine.sequence import Sequence
+from pipeline.engine.speculative import NgramProposer, Speculator
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import top_tokens
+from pipeline.layers import top_tokens
 
 
 @pytest.mark.parametrize("vocab", [49152, 49155, 130, 128, 5])

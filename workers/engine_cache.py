@@ -133,8 +133,8 @@ class EngineCache:
     def _build(self, config: EngineConfig) -> None:
         """Build the engine, outside the lock (this caller is counted as a user, so nobody
         drops or builds meanwhile); `building` ends however it goes."""
-        from pipeline.engine import Engine  # torch: only once an engine is really needed
-        from pipeline.engine_loop import EngineLoop
+        from pipeline.engine.engine import Engine  # torch: only once an engine is really needed
+        from pipeline.engine.engine_loop import EngineLoop
         key = engine_key(dataclasses.asdict(config))
         log.info("loading engine %s (model %s)", key, config.model or "bundled")   # tests count these
         start = time.monotonic()

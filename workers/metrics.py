@@ -31,7 +31,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client import values as _values
 
 from jobs.result_row import SUMMED_COLUMNS, shard_totals
-from pipeline.bundled import BUNDLED_NAME
+from pipeline.models.bundled import BUNDLED_NAME
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ def serve_command(host, port, engine_options, shard_size, served_model_names, se
     """
     from api.app import ServerConfig, serve
     from jobs import ledger
-    from pipeline.bundled import BUNDLED_NAME
+    from pipeline.models.bundled import BUNDLED_NAME
 
     check_broker(settings)   # as `pipeline submit` does: batches could not be queued
     check_model(engine_options.get("model"))

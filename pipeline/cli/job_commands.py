@@ -262,7 +262,7 @@ def serve_metrics(settings: Settings) -> None:
 def check_model(model: str | None) -> None:
     """A model that is not the bundled one must be a loadable local directory: refused here
     (exit 2, nothing created) rather than failing on every worker."""
-    from pipeline.model_dir import check_model_dir, is_bundled
+    from pipeline.models.model_dir import check_model_dir, is_bundled
 
     if not is_bundled(model):
         try:
@@ -284,7 +284,7 @@ def _create_job(Session, settings: Settings, file, engine_options: dict, shard_s
                 scheduling: dict | None = None, wait_for_capacity: bool = False):
     from jobs.spec import InvalidInput
     from jobs.submission import OverCapacity, create_job_from_file, create_job_from_stream
-    from pipeline.bundled import BUNDLED_NAME
+    from pipeline.models.bundled import BUNDLED_NAME
 
     check_model(engine_options.get("model"))
     options = dict(model=engine_options.get("model") or BUNDLED_NAME, engine_options=engine_options,

@@ -166,7 +166,7 @@ def bench_command(requests, engine_options):
     """Time a workload file through the engine; prints one JSON line."""
     from jobs.atomic import describe_file_type
     from jobs.spec import open_regular_file
-    from pipeline.bench import run_bench
+    from pipeline.cli.bench import run_bench
     from pipeline.config import EngineConfig
 
     f, st = open_regular_file(requests)  # a FIFO or /dev/zero would hang the read

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bundled import cache_root
+from pipeline.config import cache_root
 
 log = logging.getLogger(__name__)
 

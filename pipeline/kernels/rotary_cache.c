@@ -9,7 +9,7 @@
  *               interleaves q/k rows so that entries (2i, 2i+1) of a head form rotary pair i
  *   cos, sin    [tokens, head_dim / 2], each token's angles
  *   cache_rows  [tokens * kv_heads], where each token's heads go in a layer's cache viewed
- *               as [blocks * kv_heads * block_size, head_dim] (pipeline/attention.py)
+ *               as [blocks * kv_heads * block_size, head_dim] (pipeline/layers/attention/cpu_paged.py)
  */
 #include <stdint.h>
 #include <string.h>
@@ -70,7 +70,7 @@ void rotary_write_kv_bf16(bf16 *qkv, const float *cos, const float *sin, const i
     }
 }
 
-/* ---- INT8 KV cache (pipeline/kv_quant.py) ------------------------------------------------
+/* ---- INT8 KV cache (pipeline/layers/kv_quant.py) ------------------------------------------------
  * The same rotation, then each token's key and value heads quantized on the way into an
  * int8 cache: scale = max|x| / 127 per (token, head), x8 = round-half-even(x * (127 / max|x|)),
  * the same float32 operations as kv_quant.quantize, so both paths store identical bytes.

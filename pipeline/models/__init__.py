@@ -1,18 +1,6 @@
-"""Model families the engine runs. Each maps Hugging Face architecture names to a module class."""
-from pipeline.models.llama import LlamaForCausalLM
-
-# Llama-family decoders that differ only in small options (biases, q/k norms, tied embeddings).
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
-
-
-def model_class(architecture: str):
-    try:
-        return ARCHITECTURES[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}") from None
+"""Models and everything about loading them: the Llama-family module (llama.py), which
+architectures map to it (architectures.py), reading a Hugging Face directory's weights and
+tokenizer (loader.py), checking a model directory (model_dir.py) and the bundled model's
+one-time conversion (bundled.py). Importing the package imports no torch: model_dir and
+bundled are used by the CLI and the jobs side.
+"""

@@ -2,7 +2,7 @@
 
 Inputs are a flat list of tokens from many sequences (no padding) with their
 positions; attention reads and writes the paged KV cache through the attention backend
-the model runner binds to each layer (pipeline/attention_backends) and that backend's
+the model runner binds to each layer (pipeline/layers/attention) and that backend's
 metadata for the step.
 Q/K/V and gate/up projections are fused into one matmul each.
 """
@@ -177,7 +177,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = args.head_dim ** -0.5
         # Bound by ModelRunner once the pool exists: the attention backend and this
-        # layer's cache (attention_backends.LayerCache) in its layout.
+        # layer's cache (pipeline.layers.attention.LayerCache) in its layout.
         self.backend = self.cache = None
 
     def forward(self, x, rotation: Rotation, meta):

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from pipeline.bundled import BUNDLED_NAME
+from pipeline.models.bundled import BUNDLED_NAME
 
 
 def offline() -> None:

@@ -11,11 +11,15 @@ from the parameters on the host, never by reading a device tensor back.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from pipeline import top_tokens
-from pipeline.sequence import Sequence
+from pipeline.layers import top_tokens
+
+if TYPE_CHECKING:   # the sampler reads sequences' settings; layers sit below the engine
+    from pipeline.engine.sequence import Sequence
 
 
 class Sampler:

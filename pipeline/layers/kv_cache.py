@@ -13,7 +13,7 @@ MADV_HUGEPAGE = 14
 
 class KVCache:
     """k and v: [layers, *layer_shape], the layer shape given by the attention backend
-    (pipeline/attention_backends): [num_blocks + 1, kv_heads, block_size, head_dim] for the
+    (pipeline/layers/attention): [num_blocks + 1, kv_heads, block_size, head_dim] for the
     cpu backend, [num_blocks + 1, block_size, kv_heads, head_dim] for the varlen ones.
 
     A token's slot is block_id * block_size + offset; the block manager decides which
@@ -29,7 +29,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype, device: torch.device, backend=None):
         if backend is None:
-            from pipeline.attention_backends.cpu import CpuBackend
+            from pipeline.layers.attention.cpu import CpuBackend
             backend = CpuBackend()
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -46,7 +46,7 @@ class KVCache:
 
     def layer(self, i: int):
         """Layer i's cache, as the attention backends take it."""
-        from pipeline.attention_backends import LayerCache
+        from pipeline.layers.attention import LayerCache
         if self.k_scale is None:
             return LayerCache(self.k[i], self.v[i])
         return LayerCache(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])

@@ -25,7 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
-from pipeline.sequence import Sequence
+from pipeline.engine.sequence import Sequence
 
 
 class Block:

@@ -7,18 +7,14 @@ Nothing is ever downloaded.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.config import cache_root
+
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where the pipeline keeps what it builds once: converted models, compiled kernels."""
-    return Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline")
 
 
 def cache_dir() -> Path:
@@ -39,7 +35,7 @@ def bundled_model_dir() -> Path:
 
 
 def _convert(gguf_dir: Path, target: Path) -> None:
-    from pipeline.model_dir import offline
+    from pipeline.models.model_dir import offline
 
     offline()
     import torch

@@ -7,15 +7,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.model_dir import check_model_dir, offline
-from pipeline.models import model_class
+from pipeline.models.model_dir import check_model_dir, offline
+from pipeline.models.architectures import model_class
 from pipeline.models.llama import LlamaArgs, RotaryEmbedding
 
 
 def resolve_model_dir(model: str | None) -> Path:
     """A local model directory; None means the bundled model."""
     if model is None:
-        from pipeline.bundled import bundled_model_dir
+        from pipeline.models.bundled import bundled_model_dir
         return bundled_model_dir()
     return check_model_dir(model, weights=False)   # _checkpoint_files says it, after the architecture
 

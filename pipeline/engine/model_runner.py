@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.attention_backends import AttentionBackend, HostToDevice, StepLayout
-from pipeline.kv_cache import KVCache
-from pipeline.scheduler import ScheduledBatch
-from pipeline.sequence import Sequence
+from pipeline.layers.attention import AttentionBackend, HostToDevice, StepLayout
+from pipeline.layers.kv_cache import KVCache
+from pipeline.engine.scheduler import ScheduledBatch
+from pipeline.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: AttentionBackend | None = None):
         if backend is None:
-            from pipeline.attention_backends.cpu import CpuBackend
+            from pipeline.layers.attention.cpu import CpuBackend
             backend = CpuBackend()
         self.model = model
         self.kv_cache = kv_cache

@@ -8,7 +8,7 @@ rotary + cache write, if it has one), else `write_kv`, then `forward`.
 
 Backends (`select`):
 - cpu: the blocked layout [num_blocks, kv_heads, block_size, head_dim] read in place by
-  the C kernels (pipeline/kernels), PyTorch paths elsewhere (pipeline/attention.py). Any
+  the C kernels (pipeline/kernels), PyTorch paths elsewhere (pipeline/layers/attention/cpu_paged.py). Any
   block size (16 by default); the int8 KV cache. The default on a CPU.
 - varlen: FlashAttention-2 inside PyTorch (torch.nn.attention.varlen.varlen_attn with a
   block table): one call per layer for the whole packed batch (decodes, speculative rows,
@@ -152,12 +152,12 @@ def select(name: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.
         name = ("varlen" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
                 and kv_dtype == dtype else "cpu")
     if name == "cpu":
-        from pipeline.attention_backends.cpu import CpuBackend
+        from pipeline.layers.attention.cpu import CpuBackend
         return CpuBackend()
     if name == "varlen":
-        from pipeline.attention_backends.varlen import VarlenBackend
+        from pipeline.layers.attention.varlen import VarlenBackend
         return VarlenBackend()
     if name == "reference":
-        from pipeline.attention_backends.varlen import ReferenceVarlenBackend
+        from pipeline.layers.attention.varlen import ReferenceVarlenBackend
         return ReferenceVarlenBackend()
     raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")

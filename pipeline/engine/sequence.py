@@ -7,7 +7,7 @@ from enum import Enum, auto
 
 import numpy as np
 
-from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.request import FinishReason
 from pipeline.sampling_params import SamplingParams
 

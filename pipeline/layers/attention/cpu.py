@@ -1,4 +1,4 @@
-"""The cpu backend: today's paged attention (pipeline/attention.py) behind the interface.
+"""The cpu backend: today's paged attention (pipeline/layers/attention/cpu_paged.py) behind the interface.
 
 Layout [num_blocks, kv_heads, block_size, head_dim] per layer, any block size: a block
 holds each head's keys contiguously, read in place by the C decode kernel; the C kernel
@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from pipeline import kernels
-from pipeline.attention import (AttentionMetadata, DecodeLayout, PrefillChunk, cache_rows, paged_attention,
+from pipeline.layers.attention.cpu_paged import (AttentionMetadata, DecodeLayout, PrefillChunk, cache_rows, paged_attention,
                                 write_kv)
-from pipeline.attention_backends import AttentionBackend, HostToDevice, LayerCache, StepLayout
+from pipeline.layers.attention import AttentionBackend, HostToDevice, LayerCache, StepLayout
 
 
 class CpuBackend(AttentionBackend):

@@ -12,22 +12,23 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from pipeline import attention_backends, memory_budget, top_tokens
-from pipeline.block_manager import BlockManager
 from pipeline.config import EngineConfig
-from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.device import resolve_device, resolve_dtype
-from pipeline.kv_cache import KVCache
-from pipeline.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
-from pipeline.model_runner import ModelRunner
-from pipeline.packed_linear import pack_linear_layers
-from pipeline.quantization import quantize
+from pipeline.engine import memory_budget
+from pipeline.engine.block_manager import BlockManager
+from pipeline.engine.detokenizer import IncrementalDetokenizer
+from pipeline.engine.model_runner import ModelRunner
+from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.sequence import Sequence
+from pipeline.engine.speculative import Speculator
+from pipeline.layers import attention, top_tokens
+from pipeline.layers.grammar_masks import StructuredOutputs
+from pipeline.layers.kv_cache import KVCache
+from pipeline.layers.packed_linear import pack_linear_layers
+from pipeline.layers.quantization import quantize
+from pipeline.layers.sampler import Sampler
+from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.request import FinishReason, Request, RequestOutput
-from pipeline.sampler import Sampler
-from pipeline.scheduler import Scheduler
-from pipeline.sequence import Sequence
-from pipeline.speculative import Speculator
-from pipeline.grammar_masks import StructuredOutputs
 
 
 class Engine:
@@ -45,7 +46,7 @@ class Engine:
 
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
-        self.attention_backend = backend = attention_backends.select(config.attention_backend, self.device,
+        self.attention_backend = backend = attention.select(config.attention_backend, self.device,
                                                                      dtype, kv_dtype)
         self.block_size = block_size = config.block_size or backend.default_block_size
         backend.check(block_size, dtype, kv_dtype, self.device)
@@ -63,7 +64,7 @@ class Engine:
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.model, kv_cache, self.device, backend)
         if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
-            from pipeline.cuda_graphs import DecodeGraphs
+            from pipeline.engine.cuda_graphs import DecodeGraphs
             graphs = DecodeGraphs(self.model, self.max_num_seqs, self.scheduler.max_model_len,
                                   block_size, kv_cache.pad_block, self.device)
             graphs.capture()

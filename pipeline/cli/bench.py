@@ -31,7 +31,7 @@ def read_workload(path: str) -> list[Request]:
 
 
 def run_bench(path: str, config: EngineConfig) -> dict:
-    from pipeline.engine import Engine
+    from pipeline.engine.engine import Engine
 
     requests = read_workload(path)
     engine = Engine(config)

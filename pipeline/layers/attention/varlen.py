@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.attention_backends import AttentionBackend, HostToDevice, LayerCache, StepLayout
+from pipeline.layers.attention import AttentionBackend, HostToDevice, LayerCache, StepLayout
 
 
 @dataclass(slots=True)

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pipeline.block_manager import BlockManager
-from pipeline.sequence import Sequence, SequenceStatus
+from pipeline.engine.block_manager import BlockManager
+from pipeline.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from pipeline.request import Request, RequestOutput
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.engine.engine import Engine
 
 POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wakes it at once)
 

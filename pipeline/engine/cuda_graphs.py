@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.attention_backends import HostToDevice, StepLayout
-from pipeline.attention_backends.varlen import VarlenMetadata
+from pipeline.layers.attention import HostToDevice, StepLayout
+from pipeline.layers.attention.varlen import VarlenMetadata
 
 
 def buckets(max_num_seqs: int) -> list[int]:

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pipeline import top_tokens
-from pipeline.sampler import Sampler
-from pipeline.sequence import Sequence
+from pipeline.layers import top_tokens
+from pipeline.layers.sampler import Sampler
+from pipeline.engine.sequence import Sequence
 
 
 class NgramProposer:

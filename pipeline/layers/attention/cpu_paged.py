@@ -2,7 +2,7 @@
 
 The batch is packed (no padding): decoding rows first, one token each, then prefill
 chunks. `AttentionMetadata` is built once per step from the model runner's layout by
-attention_backends/cpu.py and shared by every layer.
+cpu.py and shared by every layer.
 
 The cache of a layer is [num_blocks, kv_heads, block_size, head_dim]: a block holds
 each head's keys contiguously, so a gathered block is directly a batch of small
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import kernels
-from pipeline.kv_quant import dequantize, write_kv_int8
+from pipeline.layers.kv_quant import dequantize, write_kv_int8
 
 
 @dataclass(slots=True)
