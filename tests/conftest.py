@@ -1,4 +1,5 @@
-"""Shared fixtures.
+"""Shared fixtures (the helpers that are not fixtures live in cluster.py, engine_helpers.py,
+shard_helpers.py, dashboards.py and worker_process.py beside this file).
 
 Database fixtures run each test on a real SQLite file and on a real, freshly created
 PostgreSQL database (127.0.0.1:5432, trust auth), both migrated with jobs.ledger.upgrade.
@@ -10,8 +11,11 @@ import uuid
 
 import psycopg
 import pytest
+import torch
 
+from cluster import Cluster
 from jobs.ledger import make_engine, session_factory, upgrade
+from workers.engine_cache import EngineCache
 
 PG_HOST, PG_PORT, PG_ADMIN_DB = "127.0.0.1", 5432, "test"
 PG_USERS = ("postgres", "root")
@@ -134,3 +138,78 @@ def Session(data_root):
     engine = make_engine(default_database_url(data_root))
     yield session_factory(engine)
     engine.dispose()
+
+
+# ---- engine tests ----
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's models on one intra-op thread (`pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")`). On a small shared machine two
+    OpenMP threads competing with other processes make small matmuls ~10x slower
+    (measured: 24 steps of the 135M model took 45 s instead of 4 s); one thread keeps
+    the suite's time predictable. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+HOST_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "__array__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts every way a tensor's value is read back to the host (each a device sync on
+    CUDA), per call site; on the CPU this is the discipline torch.cuda.set_sync_debug_mode
+    enforces on a GPU."""
+    counts: dict[str, int] = {}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return counts
+
+
+# ---- shard runner ----
+
+@pytest.fixture(scope="module")
+def engines():
+    return EngineCache()
+
+
+@pytest.fixture
+def options(tiny_model_dir):
+    return {"model": str(tiny_model_dir), "kv_cache_gib": 0.05, "device": "cpu"}
+
+
+# ---- clusters of worker processes ----
+
+@pytest.fixture
+def cluster_factory(tmp_path, data_root, tiny_model_dir):
+    clusters = []
+
+    def make(db_url: str, **kwargs) -> Cluster:
+        clusters.append(Cluster(tmp_path, data_root, db_url, tiny_model_dir, **kwargs))
+        return clusters[-1]
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def postgres_url(pg_url):
+    upgrade(pg_url)
+    return pg_url

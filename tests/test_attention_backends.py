@@ -25,7 +25,8 @@ from pipeline.layers.kv_cache import KVCache
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.sampling_params import SamplingParams as Params
 from pipeline.engine.sequence import Sequence
-from test_engine import host_reads, one_torch_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
 CPU = torch.device("cpu")
 BS = 4            # block size of the hand-made batch

@@ -8,7 +8,9 @@ import pytest
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.engine.engine_loop import EngineLoop
-from test_engine import BIG_POOL, all_blocks_free, greedy, one_torch_thread, random_prompt  # noqa: F401
+from engine_helpers import BIG_POOL, all_blocks_free, greedy, random_prompt
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["prefix-caching", "no-prefix-caching"])

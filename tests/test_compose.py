@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from pipeline.cli import main
+from dashboards import dashboard_queries
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_VARS = {"PIPELINE_DATABASE_URL", "PIPELINE_BROKER_URL", "PIPELINE_DATA_DIR"}
@@ -157,11 +158,6 @@ def test_monitoring_services_scrape_the_workers_and_the_exporter(services):
     assert done.returncode == 0, done.stdout + done.stderr
     assert mounts["/etc/grafana/provisioning"].is_dir()
     assert json.loads(mounts["/var/lib/grafana/dashboards/pipeline-dashboard.json"].read_text())["panels"]
-
-
-def dashboard_queries() -> list[str]:
-    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "pipeline-dashboard.json").read_text())
-    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
 
 
 def test_the_dashboard_queries_only_metrics_that_exist():

@@ -12,52 +12,10 @@ import shutil
 import pytest
 import torch
 
-from pipeline import Engine, EngineConfig, Request, RequestOutput, SamplingParams
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Run this module's models on one intra-op thread. On a small shared machine two
-    OpenMP threads competing with other processes make small matmuls ~10x slower
-    (measured: 24 steps of the 135M model took 45 s instead of 4 s); one thread keeps
-    the suite's time predictable. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-BIG_POOL = dict(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=64, max_num_seqs=64)
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-def run(engine: Engine, requests: list[Request], **kw) -> dict[str, RequestOutput]:
-    outputs = {}
-    for out in engine.generate(requests, **kw):
-        assert out.id not in outputs, f"{out.id} finished twice"
-        outputs[out.id] = out
-    return outputs
-
-
-def check_output(out: RequestOutput, engine: Engine) -> None:
-    """Fields every successful result must satisfy."""
-    assert out.finish_reason in ("stop", "length")
-    assert out.error is None
-    assert out.output_tokens == len(out.token_ids) >= 1
-    assert out.prompt_tokens >= 1
-    assert all(0 <= t < engine.model.args.vocab_size for t in out.token_ids)
-    assert 0.0 <= out.queue_s <= out.ttft_s <= out.latency_s
-
-
-def random_prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 49000) for _ in range(n)]
-
-
-def all_blocks_free(engine: Engine) -> bool:
-    return (engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-            and engine.scheduler.num_unfinished == 0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
 
 @pytest.fixture(scope="module")
@@ -160,26 +118,6 @@ def test_greedy_matches_hugging_face_on_tiny_model(batch32, hf_tiny, rid):
     ref = hf_greedy(hf_tiny, req.prompt_token_ids, req.params.max_tokens,
                     min_new_tokens=req.params.max_tokens, eos_token_id=None)
     assert outputs[rid].token_ids == ref
-
-
-HOST_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "__array__")
-
-
-@pytest.fixture
-def host_reads(monkeypatch):
-    """Counts every way a tensor's value is read back to the host (each a device sync on
-    CUDA), per call site; on the CPU this is the discipline torch.cuda.set_sync_debug_mode
-    enforces on a GPU."""
-    counts: dict[str, int] = {}
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _name=name, _original=original, **kwargs):
-            counts[_name] = counts.get(_name, 0) + 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    return counts
 
 
 def test_a_step_reads_one_tensor_back_to_the_host(tiny_engine, host_reads):
@@ -316,10 +254,6 @@ def test_tiny_pool_preempts_and_still_matches_big_pool(tiny_engine, small_pool_e
 # ---- sampling and stopping (tiny model) ----------------------------------------------------
 
 PROMPT = [504, 2365, 6354, 1604, 3987, 46477, 6403, 1980]
-
-
-def sampled(seed, max_tokens=12, **kw) -> SamplingParams:
-    return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True, **kw)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_engine):

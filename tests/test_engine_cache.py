@@ -9,9 +9,10 @@ import time
 import pytest
 
 from pipeline import Request, SamplingParams
-from test_engine import one_torch_thread  # noqa: F401
 from workers.admission import AdmissionGate
 from workers.engine_cache import EngineCache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
 
 @pytest.fixture

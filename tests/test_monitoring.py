@@ -34,14 +34,10 @@ from pipeline import Engine, EngineConfig, Request
 from pipeline.cli import main
 from pipeline.engine_key import engine_key
 from pipeline.engine.engine_loop import EngineLoop
-from test_compose import dashboard_queries
-from test_engine import greedy, random_prompt
-from test_fault_tolerance import (  # noqa: F401  (fixtures)
-    REPO, WAIT_S, cluster_factory, sqlite_url, write_jsonl,
-)
-from test_shard_runner import (  # noqa: F401  (fixtures)
-    another_worker_takes_over, cancel, engines, options, run_with_a_quick_request_first, submit,
-)
+from dashboards import dashboard_queries
+from engine_helpers import greedy, random_prompt
+from cluster import REPO, WAIT_S, write_jsonl
+from shard_helpers import another_worker_takes_over, cancel, run_with_a_quick_request_first, submit
 from worker_process import BROKER_URL, drop_queue
 from workers import logs, metrics
 from workers.shard_runner import ShardOutcome, run_shard

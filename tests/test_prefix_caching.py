@@ -7,8 +7,9 @@ import random
 import pytest
 
 from pipeline import Engine, EngineConfig, Request
-from test_engine import (BIG_POOL, all_blocks_free, check_output, greedy, one_torch_thread,  # noqa: F401
-                         random_prompt, run, sampled)
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
 BLOCK = BIG_POOL["block_size"]
 

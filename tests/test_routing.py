@@ -8,9 +8,7 @@ import signal
 import pytest
 
 from pipeline.engine_key import engine_key
-from test_fault_tolerance import (  # noqa: F401  (fixtures)
-    FAST, Cluster, cluster_factory, long_rows, sqlite_url, write_jsonl,
-)
+from cluster import FAST, Cluster, long_rows, write_jsonl
 
 FAST_ARGS = ["--kv-cache-gib", str(FAST["kv_cache_gib"]), "--device", FAST["device"]]
 

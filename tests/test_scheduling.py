@@ -20,9 +20,7 @@ from jobs.settings import Settings
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
 from pipeline.cli.errors import EXIT_OVER_CAPACITY
-from test_fault_tolerance import (  # noqa: F401  (fixtures)
-    FAST, Cluster, cluster_factory, long_rows, sqlite_url, write_jsonl,
-)
+from cluster import FAST, Cluster, long_rows, write_jsonl
 from workers import broker
 from workers.recovery import recover
 

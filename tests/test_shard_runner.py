@@ -8,55 +8,12 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import update
 
-from jobs.ledger import Shard, create_job, get_job, get_shards, request_cancel
+from jobs.ledger import Shard, create_job, get_job, get_shards
 from jobs.paths import JobPaths, new_job_id
 from jobs.results import read_results
 from jobs.paths import input_shard_name as shard_file_name
-from jobs.submission import create_job_from_file
-from workers.engine_cache import EngineCache
 from workers.shard_runner import run_shard
-
-
-@pytest.fixture(scope="module")
-def engines():
-    return EngineCache()
-
-
-@pytest.fixture
-def options(tiny_model_dir):
-    return {"model": str(tiny_model_dir), "kv_cache_gib": 0.05, "device": "cpu"}
-
-
-def submit(Session, root, tmp_path, rows, options, shard_size=100):
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    job_id, _ = create_job_from_file(Session, root, src, model="tiny", engine_options=options, shard_size=shard_size)
-    return job_id
-
-
-def long_requests(n):
-    return [{"id": f"long{i}", "prompt": "Go", "max_tokens": 400, "ignore_eos": True} for i in range(n)]
-
-
-def run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, n_long, then, **kwargs):
-    """Run a shard of one quick request and n_long long ones, calling then(Session, job_id)
-    once the quick one has finished; returns (job_id, outcome)."""
-    job_id = submit(Session, data_root, tmp_path,
-                    [{"id": "quick", "prompt": "Hi", "max_tokens": 1}, *long_requests(n_long)], options)
-    on_result = lambda row: then(Session, job_id) if row["id"] == "quick" else None  # noqa: E731
-    return job_id, run_shard(Session, data_root, job_id, 0, engine_provider=engines.use, worker_name="t",
-                             on_result=on_result, **kwargs)
-
-
-def cancel(Session, job_id):
-    with Session() as s:
-        request_cancel(s, job_id)
-
-
-def another_worker_takes_over(Session, job_id):
-    with Session() as s:
-        s.execute(update(Shard).where(Shard.job_id == job_id).values(attempt=Shard.attempt + 1))
-        s.commit()
+from shard_helpers import another_worker_takes_over, cancel, run_with_a_quick_request_first, submit
 
 
 def test_cancel_stops_the_shard_between_steps(ledger, data_root, tmp_path, engines, options):
