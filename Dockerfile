@@ -5,7 +5,7 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 # The whole project (.dockerignore leaves out the tests, virtual environments and data):
-# every package pyproject.toml includes, the API's among them (tests/test_compose.py checks).
+# every package pyproject.toml includes, the API's among them (tests/project/test_compose.py checks).
 COPY . .
 # The monitoring extra: Flower, for the compose file's `flower` service.
 RUN pip install --no-cache-dir ".[monitoring]" \

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2025-11-29
 
-Hand-written to match jobs.ledger; tests/test_ledger.py checks that autogenerate finds
+Hand-written to match jobs.ledger; tests/jobs/test_ledger.py checks that autogenerate finds
 no difference. It does not import jobs.ledger, so later model changes cannot alter it.
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 One batched step with one host transfer: every row's token is chosen on the device and
 the whole batch's tokens come back in a single `.tolist()` (the only host sync of a step;
-tests/test_sampler.py counts them). Random rows use the exponential-race form of
+tests/layers/test_sampler.py counts them). Random rows use the exponential-race form of
 categorical sampling: argmax(p / E) with E ~ Exp(1) draws from p, so drawing is the same
 argmax as greedy decoding. Unseeded rows take their noise from the sampler's generator in
 one call; a row with a seed takes its noise from its own torch.Generator, so a seeded

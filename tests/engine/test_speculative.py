@@ -190,7 +190,7 @@ def bundled_pair():
 
 
 def copy_workload():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "copy_workload.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "copy_workload.py"
     spec = importlib.util.spec_from_file_location("copy_workload", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

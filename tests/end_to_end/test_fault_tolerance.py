@@ -10,7 +10,7 @@ dead worker's shard is picked up within seconds.
 The soak test (`test_soak_exactly_once_while_workers_keep_dying`) is marked slow and
 deselected by default; run it with:
 
-    python -m pytest -m slow tests/test_fault_tolerance.py
+    python -m pytest -m slow tests/end_to_end/test_fault_tolerance.py
 """
 from __future__ import annotations
 
@@ -754,7 +754,7 @@ def test_soak_exactly_once_while_workers_keep_dying(sqlite_url, cluster_factory)
     seconds and replaced; at the end every id is there exactly once.
 
     Not run by default (pyproject deselects `slow`); run it with
-    `python -m pytest -m slow tests/test_fault_tolerance.py`. Takes a few minutes.
+    `python -m pytest -m slow tests/end_to_end/test_fault_tolerance.py`. Takes a few minutes.
     """
     c = cluster_factory(sqlite_url, PIPELINE_MAX_ATTEMPTS=50)
     rows = [{"id": f"s{i:05d}", "prompt": f"Item {i}", "max_tokens": 8, "ignore_eos": True} for i in range(3000)]

@@ -16,7 +16,7 @@ import yaml
 from pipeline.cli import main
 from dashboards import dashboard_queries
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_VARS = {"PIPELINE_DATABASE_URL", "PIPELINE_BROKER_URL", "PIPELINE_DATA_DIR"}
 IMAGE_COMMANDS = {"redis": "redis-server", "postgres": "postgres"}
 CELERY_COMMANDS = {"flower": ["celery", "-A", "workers.app", "flower"]}   # Celery's own CLI, on our app
