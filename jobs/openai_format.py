@@ -15,12 +15,12 @@ from datetime import datetime, timezone
 from typing import Iterable
 
 from jobs.atomic import TargetRefused, atomic_write, check_target, same_target
+from jobs.request_fields import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
 from jobs.scheduling import error_code
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+CHAT, COMPLETIONS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
 # Batch.endpoint is a plain str in the openai types, so any value validates. A pipeline-format
 # job has no OpenAI endpoint; it is reported as /v1/completions, the generic text endpoint.
 PIPELINE_ENDPOINT = COMPLETIONS

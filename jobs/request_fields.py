@@ -13,15 +13,17 @@ from dataclasses import MISSING, fields
 
 from pipeline.sampling_params import SamplingParams
 
+# The OpenAI endpoints a batch line may name: their one home (jobs.openai_format reads them).
 CHAT_ENDPOINT = "/v1/chat/completions"
-ENDPOINTS = (CHAT_ENDPOINT, "/v1/completions")
+COMPLETIONS_ENDPOINT = "/v1/completions"
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 # The roles of the OpenAI chat format; a chat template given another may render it as text or fail.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_OPENAI_INPUT_KEY = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+_OPENAI_INPUT_KEY = {CHAT_ENDPOINT: "messages", COMPLETIONS_ENDPOINT: "prompt"}
 # The fields that shape the answer rather than sample it (checked in jobs.answer_fields).
 STRUCTURED_KEYS = ("response_format", "structured_outputs")
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
-LOGPROB_KEYS = {"/v1/chat/completions": ("logprobs", "top_logprobs"), "/v1/completions": ("logprobs", "echo")}
+LOGPROB_KEYS = {CHAT_ENDPOINT: ("logprobs", "top_logprobs"), COMPLETIONS_ENDPOINT: ("logprobs", "echo")}
 # OpenAI body fields that change nothing about the answer in a batch: taken and ignored
 # (stream only when false, modalities only ["text"], both checked in openai_body).
 IGNORED_BODY_KEYS = frozenset({"user", "metadata", "store", "service_tier", "stream", "stream_options",
@@ -38,7 +40,7 @@ class Bad(Exception):
 def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[str]):
     """Map an OpenAI request body onto our fields: (model, request fields, labels naming them in errors)."""
     key = _OPENAI_INPUT_KEY[endpoint]
-    chat_only = set(TOOL_KEYS) if endpoint == "/v1/chat/completions" else set()
+    chat_only = set(TOOL_KEYS) if endpoint == CHAT_ENDPOINT else set()
     chat_only |= set(LOGPROB_KEYS[endpoint])
     if body.get("stream") not in (None, False):
         problems.append(f"unsupported field 'stream' = {describe(body['stream'])}: a batch writes its answers to "
@@ -55,7 +57,7 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
     req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *LOGPROB_KEYS[endpoint],
-                                    *(TOOL_KEYS if endpoint == "/v1/chat/completions" else ()))}
+                                    *(TOOL_KEYS if endpoint == CHAT_ENDPOINT else ()))}
     labels = {}
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:

@@ -20,14 +20,19 @@ from jobs.spec import InvalidInput, Limits, RequestSpec, Scan, Validation
 _encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 
 
+def check_shard_size(shard_size: int) -> None:
+    """ValueError unless a shard holds at least one request (the one check, before anything is made)."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+
+
 def write_shards(lines: Iterable[str], shard_dir: str | Path, shard_size: int) -> list[int]:
     """Write JSON lines (without their newline) into shard_dir, shard_size a shard; the sizes.
 
     Streaming: one shard's lines at a time are open, never the whole input. An exception
     raised by `lines` leaves the shard being written absent.
     """
-    if shard_size < 1:
-        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    check_shard_size(shard_size)
     lines = iter(lines)
     sizes: list[int] = []
     while (first := next(lines, None)) is not None:

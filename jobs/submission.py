@@ -18,7 +18,7 @@ from jobs import ledger, spec
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.scheduling import DEFAULT_PRIORITY
-from jobs.shards import read_shard, write_input_shards, write_retry_shards
+from jobs.shards import check_shard_size, read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.engine_key import engine_key
 from pipeline.request import FinishReason
@@ -83,8 +83,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
                 queue: str | None = None, endpoint: str | None = None,
                 served_names: tuple[str, ...] = ()) -> tuple[str, list[int]]:
-    if shard_size < 1:
-        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    check_shard_size(shard_size)
     job_paths = JobPaths(root, job_id)
     try:
         # One pass validates the file and writes its shards; a bad file leaves none.
@@ -179,8 +178,7 @@ def create_retry_job(
         raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried "
                          f"(`pipeline resume {job_id}` finishes it in place)")
     shard_size = shard_size or old.shard_size
-    if shard_size < 1:
-        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    check_shard_size(shard_size)
     old_paths = JobPaths(root, job_id)
     answered, unanswered, failed = set(), set(), set()   # a request is answered when all its choices are
     for row in iter_result_rows(old_paths.results_dir, columns=["id", "finish_reason"]):

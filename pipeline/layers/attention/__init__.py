@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BACKENDS = ("auto", "cpu", "varlen", "reference")
+from pipeline.config import ATTENTION_BACKENDS
+
+BACKENDS = ATTENTION_BACKENDS   # their names: one home, pipeline.config
 
 
 @dataclass(slots=True)
