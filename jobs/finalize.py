@@ -16,10 +16,9 @@ from __future__ import annotations
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger, result_row
-from jobs.atomic import replace_durably
 from jobs.ledger import JobStatus, ShardStatus
 from jobs.paths import JobPaths
-from jobs.results import write_shard_tmp
+from jobs.results import write_final_shard
 from jobs.scheduling import expired_error
 from jobs.shards import read_shard
 from jobs.stats import compute_stats, write_stats
@@ -125,9 +124,7 @@ def _write_missing_rows(s, job_paths: JobPaths, job) -> str | None:
                            + ("" if str(e) in error else f"; its input cannot be read: {e}"))
             continue
         rows = result_row.error_rows(specs, error, shard.index, shard.attempt)
-        tmp = job_paths.tmp_result(shard.index, 0, by_reaper=True)   # attempt 0: no worker's name
-        write_shard_tmp(rows, tmp)
-        replace_durably(tmp, final)
+        write_final_shard(rows, final)
         ledger.count_error_rows(s, job.id, shard.index, len(specs))   # requests, whatever their n
     if not missing:
         return None

@@ -29,12 +29,26 @@ RESULT_SCHEMA = pa.schema([(name, _NESTED[t] if t in _NESTED else getattr(pa, t)
 
 def write_shard_tmp(rows: list[dict], tmp_path: str | os.PathLike) -> None:
     """Write rows as one Parquet file and fsync it, ready for ledger.commit_shard to rename."""
+    table = _table(rows)
+    with write_durably(tmp_path, "wb") as f:
+        pq.write_table(table, f)
+
+
+def write_final_shard(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write rows straight to a shard's committed place, whole or not at all, through a hidden
+    file beside it: the finalizer's rows of shards that never ran (no attempt can commit
+    then). Not through results/_tmp, whose files of shards not running the recovery sweep
+    removes."""
+    table = _table(rows)
+    with atomic_write(path, "wb", overwrite=False) as f:
+        pq.write_table(table, f)
+
+
+def _table(rows: list[dict]) -> pa.Table:
     unknown = set().union(*rows) - set(RESULT_SCHEMA.names)
     if unknown:
         raise ValueError(f"result rows have unknown fields: {sorted(unknown)}")
-    table = pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
-    with write_durably(tmp_path, "wb") as f:
-        pq.write_table(table, f)
+    return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
 
 
 def _dataset(results_dir: str | os.PathLike) -> ds.Dataset | None:
