@@ -187,22 +187,13 @@ def _messages(name, v, max_chars):
         raise Bad(f"{name} must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(v)}")
     out, total = [], 0
     for i, m in enumerate(v):
-        where = f"{name}[{i}]"
-        if not isinstance(m, dict):
-            raise Bad(f"{where} must be an object with role and content, got {describe(m)}")
-        extra = sorted(m.keys() - {"role", "content"})
-        if extra:
-            raise Bad(f"{where} has unsupported field {extra[0]!r} (only role and content are allowed)")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise Bad(f"{where}.role must be a non-empty string, got {describe(role)}")
-        if role not in CHAT_ROLES:
-            raise Bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {describe(role)}")
-        if not isinstance(content, str):
-            parts = " (lists of content parts are not supported)" if isinstance(content, list) else ""
-            raise Bad(f"{where}.content must be a string{parts}, got {describe(content)}")
-        _encodable(f"{where}.role", role)
-        _encodable(f"{where}.content", content)
+        # The usual message passes these tests at once; each failure is then named in full.
+        if not (type(m) is dict and m.keys() <= _MESSAGE_KEYS and m.get("role") in CHAT_ROLES
+                and type(m.get("content")) is str):
+            _bad_message(f"{name}[{i}]", m)
+        role, content = m["role"], m["content"]
+        if not content.isascii():   # only non-ASCII text can hold a lone surrogate
+            _encodable(f"{name}[{i}].content", content)
         total += len(content)
         out.append({"role": role, "content": content})
     if total > max_chars:
@@ -210,8 +201,29 @@ def _messages(name, v, max_chars):
     return out
 
 
+_MESSAGE_KEYS = {"role", "content"}
+
+
+def _bad_message(where: str, m) -> None:
+    """Raise Bad naming what is wrong with a chat message."""
+    if not isinstance(m, dict):
+        raise Bad(f"{where} must be an object with role and content, got {describe(m)}")
+    extra = sorted(m.keys() - _MESSAGE_KEYS)
+    if extra:
+        raise Bad(f"{where} has unsupported field {extra[0]!r} (only role and content are allowed)")
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        raise Bad(f"{where}.role must be a non-empty string, got {describe(role)}")
+    if role not in CHAT_ROLES:
+        raise Bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {describe(role)}")
+    parts = " (lists of content parts are not supported)" if isinstance(content, list) else ""
+    raise Bad(f"{where}.content must be a string{parts}, got {describe(content)}")
+
+
 def _encodable(name: str, s: str) -> None:
     """Reject lone surrogates (legal as JSON \\ud800 escapes, but not text a tokenizer can take)."""
+    if s.isascii():
+        return
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -88,11 +88,8 @@ class RequestSpec:
     def to_dict(self) -> dict:
         """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
         input gave them (other than their defaults)."""
-        d = {name: getattr(self, name) for name in _SPEC_FIELDS}
-        for optional, default in _OPTIONAL_FIELDS.items():
-            if d[optional] == default:
-                del d[optional]
-        return d
+        return {name: value for name in _SPEC_FIELDS
+                if (value := getattr(self, name)) != _OPTIONAL_FIELDS.get(name, _REQUIRED)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RequestSpec":
@@ -100,6 +97,7 @@ class RequestSpec:
 
 
 _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
+_REQUIRED = object()   # never equal to a value: the fields always written
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
 _OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
