@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,18 +30,30 @@ def _has_work(engine_key: str) -> bool:
     return broker.backlog(cfg, cfg.queue_for(engine_key)) > 0
 
 
-@functools.cache
+_engines: EngineCache | None = None
+_gate: AdmissionGate | None = None
+_making = threading.Lock()   # shard threads and the preload thread may ask first at once
+
+
 def engines() -> EngineCache:
     """The engines this worker process serves (PIPELINE_WORKER_ENGINES), made on first use;
     no model is built before a shard or the preload asks, so never in a prefork parent:
     workers.lifecycle preloads the first after the fork."""
-    return EngineCache(served=settings().served_engine_options(), has_work=_has_work)
+    global _engines
+    with _making:
+        if _engines is None:
+            _engines = EngineCache(served=settings().served_engine_options(), has_work=_has_work)
+        return _engines
 
 
-@functools.cache
 def gate() -> AdmissionGate:
-    """This process's admission gate in front of its engines."""
-    return AdmissionGate(engines())
+    """This process's admission gate in front of its engines (one, for every shard thread)."""
+    global _gate
+    cache = engines()
+    with _making:
+        if _gate is None:
+            _gate = AdmissionGate(cache)
+        return _gate
 
 
 def preload_engine() -> None:
