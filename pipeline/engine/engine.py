@@ -21,12 +21,12 @@ from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence
 from pipeline.engine.speculative import Speculator
-from pipeline.layers import attention, top_tokens
+from pipeline.layers import attention
 from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
 from pipeline.layers.quantization import quantize
-from pipeline.layers.sampler import Sampler
+from pipeline.layers.sampler import Sampler, token_logprobs
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.request import FinishReason, Request, RequestOutput
 
@@ -256,19 +256,14 @@ class Engine:
         tensor waits on its sequence until the sampler brings it back with the step's one
         transfer (at the latest in the step that computes the prompt's last token)."""
         targets = [t for seq, first, count in spans for t in seq.prompt_token_ids[first + 1:first + 1 + count]]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1)
         k = max(seq.prompt_logprobs.num_top for seq, _, _ in spans)
-        top_values, top_ids = top_tokens.topk(logprobs, k) if k else (None, None)
+        chosen, top_values, top_ids = token_logprobs(logits, torch.tensor(targets, device=logits.device), k)
         at = 0
         for seq, first, count in spans:
             scored = seq.prompt_logprobs
-            parts = [chosen[at:at + count]]
-            if scored.num_top:
-                parts += [top_values[at:at + count, :scored.num_top].flatten(),
-                          top_ids[at:at + count, :scored.num_top].flatten().to(chosen.dtype)]
-            # -inf (a token the model rules out) reported as OpenAI's -9999.0, as for output tokens
-            scored.pending.append((torch.cat(parts).double().clamp_min(-9999.0), targets[at:at + count]))
+            rows, want = slice(at, at + count), scored.num_top
+            flat = torch.cat([chosen[rows], top_values[rows, :want].flatten(), top_ids[rows, :want].flatten()])
+            scored.pending.append((flat, targets[at:at + count]))
             scored.next_position = first + count
             at += count
 

@@ -69,14 +69,8 @@ class Sampler:
             else:
                 index = self._to_device(np.asarray(rows, dtype=np.int64))
                 asking, chosen_tokens = logits.index_select(0, index), tokens.index_select(0, index)
-            # (log_softmax then a gather is faster on a CPU than logsumexp over the same rows)
-            logprobs = torch.log_softmax(asking.float(), dim=-1)                             # [rows, vocab]
-            chosen = logprobs.gather(1, chosen_tokens.unsqueeze(1)).squeeze(1)
-            # A token a grammar or a -100 bias ruled out has -inf: reported as OpenAI's -9999.0 (JSON has no -inf).
-            parts.append(chosen.double().clamp_min(-9999.0))
-            if k:
-                values, ids = top_tokens.topk(logprobs, k)
-                parts += [values.double().clamp_min(-9999.0).flatten(), ids.double().flatten()]
+            chosen, values, ids = token_logprobs(asking, chosen_tokens, k)
+            parts += [chosen, values.flatten(), ids.flatten()]
         parts += [flat for scored in prompts for flat, _ in scored.pending]
         values = torch.cat(parts).tolist()   # the step's one host transfer
         n, m = len(seqs), len(rows)
@@ -181,6 +175,21 @@ class Sampler:
             min_ps = column([p.min_p for p in params])
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-softmax at its token [rows], and its k largest with their ids [rows, k],
+    all float64 on the device (ids are exact below 2**53), for one transfer. A token a
+    grammar or a -100 bias ruled out has -inf: reported as OpenAI's -9999.0 (JSON has no -inf)."""
+    # (log_softmax then a gather is faster on a CPU than logsumexp over the same rows)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                                # [rows, vocab]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).double().clamp_min(-9999.0)
+    if not k:
+        empty = chosen.new_empty((len(chosen), 0))
+        return chosen, empty, empty
+    values, ids = top_tokens.topk(logprobs, k)
+    return chosen, values.double().clamp_min(-9999.0), ids.double()
 
 
 def _unpack_prompt_logprobs(scored, values: list[float], at: int) -> int:
