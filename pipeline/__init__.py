@@ -17,7 +17,10 @@ def __getattr__(name):
     if name == "Engine":
         from pipeline.engine.engine import Engine
         return Engine
+    if name == "build_engine":
+        from pipeline.engine.factory import build_engine
+        return build_engine
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "Request", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "build_engine", "EngineConfig", "FinishReason", "Request", "RequestOutput", "SamplingParams"]

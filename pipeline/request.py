@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeline.pooling_params import PoolingParams
 from pipeline.sampling_params import SamplingParams
 
 
@@ -34,7 +35,11 @@ class Request:
     tokenizer's chat template), or already tokenised `prompt_token_ids`. timeout_s: the
     longest it may run, from its first step (its wait for a place in the batch does not
     count); then it ends with finish_reason timeout, its partial text kept and its KV
-    blocks freed."""
+    blocks freed.
+
+    With `pooling`, the request asks for an embedding instead: its prompt is computed, its
+    hidden states pooled into RequestOutput.embedding, and nothing is generated (params
+    play no part but n, which must be 1)."""
     id: str
     prompt: str | None = None
     messages: list[dict] | None = None
@@ -42,6 +47,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     timeout_s: float | None = None
     tools: list[dict] | None = None   # OpenAI function tools, given to the chat template with `messages`
+    pooling: PoolingParams | None = None   # an embedding request
 
     def __post_init__(self):
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -85,3 +91,5 @@ class RequestOutput:
     prompt_logprobs: list[dict] | None = None
     # Which of the request's params.n answers this is (0 .. n - 1): each choice is its own output.
     choice: int = 0
+    # An embedding request's vector (Request.pooling); None for generation.
+    embedding: list[float] | None = None

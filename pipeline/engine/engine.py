@@ -1,5 +1,9 @@
 """The engine: schedule -> run the model -> sample -> retire, one step at a time.
 
+An embedding request (Request.pooling) goes through the same batches as a prompt that is
+never decoded: the step that computes its last prompt token pools its hidden states
+(layers/pooler.py) and retires it, its blocks freed (the prefix cache may keep them).
+
     engine = Engine(EngineConfig(model="path/to/hf-dir"))
     for out in engine.generate(requests):   # each result as soon as it finishes
         ...
@@ -17,6 +21,7 @@ from pipeline.device import resolve_device, resolve_dtype
 from pipeline.engine import memory_budget
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.detokenizer import IncrementalDetokenizer
+from pipeline.engine.generation import generate
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence
@@ -25,9 +30,11 @@ from pipeline.layers import attention
 from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
+from pipeline.layers.pooler import Pooler
 from pipeline.layers.quantization import quantize
 from pipeline.layers.sampler import Sampler, token_logprobs
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
+from pipeline.models.pooling_config import read_pooling_config
 from pipeline.request import FinishReason, Request, RequestOutput
 
 
@@ -40,6 +47,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         model, args = load_model(self.model_dir, dtype, self.device)
         self.model = quantize(model, config.quantization, self.device, dtype)
+        self.hidden_size = args.hidden_size
         if config.pack_weights and config.quantization == "none":
             pack_linear_layers(self.model)   # CPU float32 and bfloat16; elsewhere it changes nothing
         self.eos_token_ids = self._eos_token_ids()
@@ -106,37 +114,9 @@ class Engine:
 
     def generate(self, requests: Iterable[Request],
                  should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
-        """Yield each request's result as soon as it finishes (not in input order).
-
-        Requests are pulled lazily, so a huge iterable is never held at once. A request
-        that cannot run (tokeniser failure, prompt too long) yields an error result and
-        never stops the others. When `should_stop()` turns true (checked between steps),
-        unfinished requests are dropped, their blocks freed, and generation ends; the same
-        happens when the caller stops iterating early (closes the generator).
-        """
-        pending = iter(requests)
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and len(self.scheduler.waiting) < self.lookahead:
-                    request = next(pending, None)
-                    if request is None:
-                        exhausted = True
-                        break
-                    yield from self.add_request(request)   # the request's error results, if it cannot run
-                if self.scheduler.num_unfinished == 0:
-                    if exhausted:
-                        return
-                    continue
-                if should_stop is not None and should_stop():
-                    self.scheduler.abort_all()
-                    return
-                yield from self.step()
-        finally:
-            # A consumer that stops early (break, close(), an exception) must not leave its
-            # sequences behind, holding blocks and resurfacing in the next call.
-            if self.scheduler.num_unfinished:
-                self.scheduler.abort_all()
+        """Yield each request's result as soon as it finishes (not in input order); see
+        pipeline.engine.generation.generate."""
+        return generate(self, requests, should_stop)
 
     @property
     def lookahead(self) -> int:
@@ -156,9 +136,13 @@ class Engine:
         try:
             prompt_ids = self.tokenize(request)
             seq = Sequence(request.id, prompt_ids, request.params, self._detokenizer(prompt_ids, request.params),
-                           arrival, timeout_s=request.timeout_s)
+                           arrival, timeout_s=request.timeout_s, pooling=request.pooling)
         except Exception as e:  # a bad template or tokenizer failure fails this request only
             return _error_outputs(request, f"tokenisation failed: {e}", 0, arrival)
+        if request.pooling is not None:
+            error = self._embedding_error(seq)
+            if error is not None:
+                return _error_outputs(request, error, len(prompt_ids), arrival)
         bias = request.params.logit_bias
         if bias and max(bias) >= self.structured.vocab_size:
             return _error_outputs(request, f"logit_bias names token {max(bias)}; the model's vocabulary has "
@@ -173,6 +157,23 @@ class Engine:
             return _error_outputs(request, error, len(prompt_ids), arrival)
         self.scheduler.add(seq)
         return []
+
+    def _embedding_error(self, seq: Sequence) -> str | None:
+        """Why an embedding request cannot run, or None (then the pooler is ready for it)."""
+        if seq.params.n != 1 or seq.params.structured_output is not None:
+            return "an embedding request has one answer and no grammar (n = 1, no structured output)"
+        if not seq.prompt_token_ids:
+            return "an embedding request needs at least one token"
+        dims = seq.pooling.dimensions
+        if dims is not None and dims > self.hidden_size:
+            return f"dimensions {dims} exceeds the model's {self.hidden_size}"
+        if self.runner.pooler is None:
+            try:
+                self.runner.pooler = Pooler(read_pooling_config(self.model_dir, decoder=True))
+            except (OSError, ValueError) as e:
+                return f"this model cannot embed: {e}"
+        seq.reads_every_position = self.runner.pooler.reads_every_position
+        return None
 
     def _detokenizer(self, prompt_ids: list[int], params) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
@@ -208,6 +209,8 @@ class Engine:
         self.num_steps += 1
         if step.prompt_spans:
             self._score_prompts(step.prompt_logits, step.prompt_spans)
+        if step.pooled:
+            timed_out += self._retire_pooled(step.pooled)
         sampling, logits = step.sampling, step.logits
         if not sampling:
             return timed_out
@@ -228,6 +231,18 @@ class Engine:
             elif seq.draft_token_ids:
                 self.scheduler.discard_rejected(seq)
         return finished
+
+    def _retire_pooled(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Finish the embedding sequences whose prompt this step completed, with their vectors."""
+        vectors = self.runner.pooler.finish(seqs)
+        now = time.perf_counter()
+        outputs = []
+        for seq, vector in zip(seqs, vectors):
+            seq.finish_reason = FinishReason.STOP
+            seq.first_token_time = seq.finish_time = now
+            self.scheduler.finish(seq)
+            outputs.append(_output_of(seq, embedding=vector))
+        return outputs
 
     def _fork(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """Fork the other choices of the n > 1 requests whose prompt was just computed. Those
@@ -357,7 +372,7 @@ class Engine:
 
 
 def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | None = None,
-               prompt_logprobs: list[dict] | None = None) -> RequestOutput:
+               prompt_logprobs: list[dict] | None = None, embedding: list[float] | None = None) -> RequestOutput:
     return RequestOutput(
         id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
         finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,
@@ -365,7 +380,7 @@ def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | N
         ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
         draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=seq.choice)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=seq.choice, embedding=embedding)
 
 
 def _error_outputs(request: Request, error: str, prompt_tokens: int, arrival: float) -> list[RequestOutput]:

@@ -14,7 +14,9 @@ every token's keys and values are written before attention reads them. It gets l
 for all 1 + K rows.
 
 A sequence asking for prompt logprobs also gets logits for the rows of its prompt chunk
-(prompt_logits, beside the sampling rows' logits).
+(prompt_logits, beside the sampling rows' logits). An embedding sequence (Sequence.pooling)
+never samples: the pooler takes its hidden states, and the step names those whose prompt
+is now complete (`pooled`).
 
 Decode-only steps on CUDA replay a captured CUDA graph when the backend allows it
 (cuda_graphs.py); every other step runs eagerly.
@@ -39,6 +41,7 @@ class StepLogits:
     logits: torch.Tensor       # [rows, vocab]: one row each, 1 + len(draft_token_ids) with drafts, in order
     prompt_logits: torch.Tensor | None = None   # [positions, vocab]: prompt positions scoring the next token
     prompt_spans: tuple = ()   # (seq, first position, count) for each sequence in prompt_logits, in order
+    pooled: list = ()          # embedding sequences whose prompt is complete: Sequence.pooled holds the vector
 
 
 class ModelRunner:
@@ -53,6 +56,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.to_device = HostToDevice(device)
         self.graphs = None   # cuda_graphs.DecodeGraphs, once captured (Engine)
+        self.pooler = None   # layers.pooler.Pooler, once an embedding request comes (Engine)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.backend = backend
             layer.self_attn.cache = kv_cache.layer(i)
@@ -73,20 +77,21 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
         layout = self._prepare(seqs, num_new)
-        sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n >= s.num_tokens]
+        sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n >= s.num_tokens and s.pooling is None]
         prompt_rows, spans = _prompt_rows(seqs, num_new)
         if (self.graphs is not None and layout.is_plain_decode and len(sampling) == layout.num_seqs
                 and not spans and self.graphs.serves(layout.num_seqs)):
             hidden = self.graphs.replay(layout, self.to_device)   # every row samples
             return StepLogits(sampling, self.model.compute_logits(hidden))
         hidden = self.forward(layout)                                   # [tokens, hidden]
+        pooled = self.pooler.collect(hidden, seqs, num_new) if self.pooler is not None else []
         prompt_logits = None
         if spans:
             prompt_logits = self.model.compute_logits(hidden[self.to_device("prompt_rows", prompt_rows)])
         if not sampling:
-            return StepLogits([], hidden.new_empty((0, 0)), prompt_logits, spans)
+            return StepLogits([], hidden.new_empty((0, 0)), prompt_logits, spans, pooled)
         sample_rows = self.to_device("sample_rows", layout.sample_rows)
-        return StepLogits(sampling, self.model.compute_logits(hidden[sample_rows]), prompt_logits, spans)
+        return StepLogits(sampling, self.model.compute_logits(hidden[sample_rows]), prompt_logits, spans, pooled)
 
     def forward(self, layout: StepLayout) -> torch.Tensor:
         """The eager forward of a step: hidden states [tokens, hidden]."""
@@ -103,7 +108,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             if seq.draft_token_ids or n == 1:
                 num_decode += 1
-            if start + n >= seq.num_tokens:
+            if start + n >= seq.num_tokens and seq.pooling is None:
                 if seq.draft_token_ids:
                     sample_rows.extend(range(len(input_ids), len(input_ids) + n))
                 else:

@@ -101,8 +101,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            # Prompt logprobs need the logits of every prompt position: nothing from the cache.
-            cached = [] if seq.wants_prompt_logits else self.block_manager.find_cached_prefix(seq)
+            # Prompt logprobs and mean pooling read every prompt position: nothing from the cache.
+            cached = self.block_manager.find_cached_prefix(seq) if seq.uses_prefix_cache else []
             num_cached = len(cached) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.try_allocate(seq, num_cached + n, cached):

@@ -42,7 +42,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, arrival_time: float | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, pooling=None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -81,6 +81,11 @@ class Sequence:
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = (
             [] if params.logprobs is not None else None)
         self.prompt_logprobs = PromptLogprobs(params.prompt_logprobs) if params.prompt_logprobs is not None else None
+        # An embedding request (pipeline.pooling_params.PoolingParams): prefill only, its
+        # hidden states pooled (layers/pooler.py keeps the partial vector in `pooled`).
+        self.pooling = pooling
+        self.pooled = None
+        self.reads_every_position = False   # its pooling needs every prompt position's hidden state
 
     @property
     def seed(self) -> int | None:
@@ -110,6 +115,12 @@ class Sequence:
     def wants_prompt_logits(self) -> bool:
         """Whether some prompt position's logits are still to be computed (params.prompt_logprobs)."""
         return self.prompt_logprobs is not None and self.prompt_logprobs.next_position < self.num_prompt_tokens - 1
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when every position's logits
+        (prompt logprobs) or hidden state (mean or cls pooling) must be computed."""
+        return not (self.wants_prompt_logits or self.reads_every_position)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,5 +1,7 @@
-"""The model families the engine runs: Hugging Face architecture names to our module classes."""
+"""The model families the engine runs: Hugging Face architecture names to our module classes
+(encoders, which only embed, run on transformers' own modules: engine/encoder_engine.py)."""
 from pipeline.models.llama import LlamaForCausalLM
+from pipeline.models.model_dir import ENCODER_ARCHITECTURES
 
 # Llama-family decoders that differ only in small options (biases, q/k norms, tied embeddings).
 ARCHITECTURES = {
@@ -15,4 +17,5 @@ def model_class(architecture: str):
         return ARCHITECTURES[architecture]
     except KeyError:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}") from None
+                         f"{', '.join(sorted(ARCHITECTURES))} (and, for embeddings only, "
+                         f"{', '.join(ENCODER_ARCHITECTURES)})") from None

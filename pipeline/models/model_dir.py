@@ -14,12 +14,21 @@ from pathlib import Path
 
 from pipeline.models.bundled import BUNDLED_NAME
 
+# BERT-family sentence encoders (all-MiniLM, BGE, E5, GTE...): they embed and cannot generate.
+ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
+
 
 def offline() -> None:
     """Never reach for a model hub, even by accident through transformers (unless the
     environment says otherwise)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def is_encoder(model_dir: Path) -> bool:
+    """Whether the model directory holds an encoder (embeddings only), by its config's architecture."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (config.get("architectures") or ["?"])[0] in ENCODER_ARCHITECTURES
 
 
 def is_bundled(model: str | None) -> bool:

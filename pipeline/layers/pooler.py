@@ -1,0 +1,62 @@
+"""Pooling a sequence's hidden states into one embedding vector, chunk by chunk.
+
+A prompt may be computed over several steps (chunked prefill), so the pooler keeps what
+each step contributes on the sequence (`Sequence.pooled`, on the device): the last
+token's row once the prompt is done, the first token's row (cls), or the running sum of
+every row (mean). Nothing is read back here: finish() turns the finished sequences'
+vectors into lists with one transfer for them all.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from pipeline.models.pooling_config import PoolingConfig   # read by the engine, from the model's files
+
+
+class Pooler:
+    def __init__(self, config: "PoolingConfig"):
+        self.config = config
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Whether every prompt position's hidden state is needed (no prefix cache then):
+        all but last-token pooling."""
+        return self.config.method != "last"
+
+    def collect(self, hidden: torch.Tensor, seqs, num_new: list[int]) -> list:
+        """Take this step's contribution of each pooling sequence from hidden [tokens, H]
+        (the step's packed rows, in seqs' order); returns the sequences whose prompt is now
+        complete (their `pooled` holds the vector, a mean still to be divided)."""
+        method, done, base = self.config.method, [], 0
+        for seq, n in zip(seqs, num_new):
+            start = seq.num_computed_tokens
+            if seq.pooling is not None:
+                finishing = start + n >= seq.num_tokens
+                if method == "mean":
+                    part = hidden[base:base + n].float().sum(0)
+                    seq.pooled = part if start == 0 or seq.pooled is None else seq.pooled + part
+                elif method == "cls" and start == 0:
+                    seq.pooled = hidden[base].float()
+                elif method == "last" and finishing:
+                    seq.pooled = hidden[base + n - 1].float()
+                if finishing:
+                    done.append(seq)
+            base += n
+        return done
+
+    def finish(self, seqs) -> list[list[float]]:
+        """The finished sequences' vectors as lists: a mean divided by the prompt's length, cut
+        to the request's dimensions, then normalised (when the model normalises)."""
+        rows = []
+        for seq in seqs:
+            vector = seq.pooled / seq.num_prompt_tokens if self.config.method == "mean" else seq.pooled
+            vector = vector[:seq.pooling.dimensions]
+            rows.append(F.normalize(vector, dim=0) if self.config.normalize else vector)
+            seq.pooled = None
+        widths = [row.shape[0] for row in rows]
+        values = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).tolist()   # one transfer
+        return [row[:width] for row, width in zip(values, widths)]
