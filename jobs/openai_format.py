@@ -2,25 +2,28 @@
 
 Pure functions over plain dicts (result rows of docs/contracts.md, job dicts from the
 ledger); only write_openai_files touches the file system. The shapes match the types of
-the `openai` package (Batch, ChatCompletion, Completion), which the tests validate against.
+the `openai` package (Batch, ChatCompletion, Completion, CreateEmbeddingResponse), which the
+tests validate against.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
 import re
+import struct
 import time
 from datetime import datetime, timezone
 from typing import Iterable
 
 from jobs.atomic import TargetRefused, atomic_write, check_target, same_target
-from jobs.request_fields import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from jobs.request_fields import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
 from jobs.scheduling import error_code
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
-CHAT, COMPLETIONS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+CHAT, COMPLETIONS, EMBEDDINGS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
 # Batch.endpoint is a plain str in the openai types, so any value validates. A pipeline-format
 # job has no OpenAI endpoint; it is reported as /v1/completions, the generic text endpoint.
 PIPELINE_ENDPOINT = COMPLETIONS
@@ -83,6 +86,8 @@ def _logprobs(entries: list[dict] | None, endpoint: str) -> dict | None:
 
 def _body(rows: list[dict], digest: str, *, endpoint: str, model: str, created: int) -> dict:
     """The response body: the prompt counted once, the completion tokens of every choice."""
+    if endpoint == EMBEDDINGS:
+        return _embeddings_body(rows, model)
     first = rows[0]
     completion_tokens = sum(int(r["output_tokens"]) for r in rows)
     usage = {"prompt_tokens": int(first["prompt_tokens"]), "completion_tokens": completion_tokens,
@@ -94,6 +99,20 @@ def _body(rows: list[dict], digest: str, *, endpoint: str, model: str, created: 
                 "model": model, "choices": choices, "usage": usage}
     return {"id": f"cmpl-{digest[:29]}", "object": "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage}
+
+
+def _embeddings_body(rows: list[dict], model: str) -> dict:
+    """A CreateEmbeddingResponse: a vector per input, as floats or as base64 of their float32
+    bytes (little-endian, as OpenAI sends them); every input's tokens counted."""
+    data = [{"object": "embedding", "index": row.get("choice") or 0,
+             "embedding": _base64(row["embedding"]) if row.get("encoding_format") == "base64" else row["embedding"]}
+            for row in rows]
+    tokens = sum(int(row["prompt_tokens"]) for row in rows)
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def _choice(row: dict, digest: str, endpoint: str) -> dict:

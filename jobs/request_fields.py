@@ -16,7 +16,8 @@ from pipeline.sampling_params import SamplingParams
 # The OpenAI endpoints a batch line may name: their one home (jobs.openai_format reads them).
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
-ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+EMBEDDINGS_ENDPOINT = "/v1/embeddings"   # its fields: jobs.embedding_fields
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT)
 # The roles of the OpenAI chat format; a chat template given another may render it as text or fail.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _OPENAI_INPUT_KEY = {CHAT_ENDPOINT: "messages", COMPLETIONS_ENDPOINT: "prompt"}

@@ -13,7 +13,9 @@ from __future__ import annotations
 from pipeline.request import FinishReason, RequestOutput
 
 # (column, Arrow type): jobs.results makes the Parquet schema (RESULT_SCHEMA) from it (a
-# pyarrow type's name, or "token_logprobs": OpenAI's list of token logprob entries).
+# pyarrow type's name, "token_logprobs": OpenAI's list of token logprob entries, or
+# "vector": a list of float32). An embedding request has a row per input: `choice` is the
+# input's index, `output` is empty and prompt_tokens counts that input's tokens.
 RESULT_COLUMNS = (
     ("id", "string"),
     ("choice", "int32"),           # which of the request's n answers (0 .. n - 1; null: older results)
@@ -34,6 +36,8 @@ RESULT_COLUMNS = (
     ("tool_call", "string"),       # a forced tool call: the function whose arguments `output` is (else null)
     ("model", "string"),           # the model name the line used (OpenAI's body.model; null: none given)
     ("logprobs", "token_logprobs"),  # per output token: token, logprob, bytes, top_logprobs (null: not asked)
+    ("embedding", "vector"),       # an embedding request: the vector of input `choice` (null: generation)
+    ("encoding_format", "string"),  # an embedding line's OpenAI encoding_format when not floats ("base64")
 )
 
 # Per-request token counts that are also kept summed: per shard and per job in the ledger,
@@ -44,7 +48,7 @@ SHARD_TOTALS = ("completed_requests", "failed_requests", *SUMMED_COLUMNS)
 
 
 def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str | None = None,
-                model: str | None = None, echo: str | None = None) -> dict:
+                model: str | None = None, echo: str | None = None, encoding_format: str | None = None) -> dict:
     """The row of a request the engine finished (any finish reason); tool_call: the function
     its answer calls, when the request forced one (its output is the arguments); model:
     the name the line gave its model (OpenAI output reports it); echo: the prompt, put before
@@ -53,7 +57,8 @@ def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str 
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,
-            "model": model, "logprobs": _echoed(out) if echo is not None else out.logprobs}
+            "model": model, "logprobs": _echoed(out) if echo is not None else out.logprobs,
+            "embedding": out.embedding, "encoding_format": encoding_format}
 
 
 def _echoed(out: RequestOutput) -> list[dict] | None:
@@ -108,4 +113,4 @@ def _empty(request_id: str, choice: int, reason: FinishReason, error: str | None
             "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
             "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None,
-            "logprobs": None}
+            "logprobs": None, "embedding": None, "encoding_format": None}

@@ -23,7 +23,10 @@ _TOKEN = [("token", pa.string()), ("logprob", pa.float32()), ("bytes", pa.list_(
 # A list per row of {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}: OpenAI's
 # chat logprobs, queryable as nested columns (DuckDB: unnest(logprobs)).
 TOKEN_LOGPROBS = pa.list_(pa.struct([*_TOKEN, ("top_logprobs", pa.list_(pa.struct(_TOKEN)))]))
-_NESTED = {"token_logprobs": TOKEN_LOGPROBS}
+# An embedding: DuckDB reads it as FLOAT[] (cast to FLOAT[384] for its array functions), pandas
+# and pyarrow as a list of float32 (pyarrow.compute.list_flatten + reshape gives a matrix).
+VECTOR = pa.list_(pa.float32())
+_NESTED = {"token_logprobs": TOKEN_LOGPROBS, "vector": VECTOR}
 RESULT_SCHEMA = pa.schema([(name, _NESTED[t] if t in _NESTED else getattr(pa, t)()) for name, t in RESULT_COLUMNS])
 
 

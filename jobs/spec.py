@@ -23,8 +23,11 @@ from typing import BinaryIO, Iterator
 
 from jobs.atomic import describe_file_type
 from jobs.answer_fields import echo_setting, forced_tool, logprobs_setting, structured_output
+from jobs.embedding_fields import (
+    OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
+)
 from jobs.request_fields import (
-    DECODER, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
+    DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
     request_inputs, request_timeout, sampling_settings, string, too_deep,
 )
 
@@ -82,8 +85,17 @@ class RequestSpec:
     tools: list[dict] | None = None          # a chat request's tools, for its chat template
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
     logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
-    n: int = 1                               # answers wanted: one result row per choice
+    n: int = 1                               # result rows: answers wanted, or an embedding request's inputs
     echo: bool = False                       # completions: the answer's text starts with the prompt
+    # An embedding request (jobs.embedding_fields): its texts or token-id lists, one vector
+    # (result row, `choice` = its index) each; prompt and messages are None, n = len(input).
+    input: list | None = None
+    dimensions: int | None = None            # keep the vectors' first this many components
+    encoding_format: str | None = None       # "base64": OpenAI output gives float32 bytes in base64
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.input is not None
 
     def to_dict(self) -> dict:
         """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
@@ -101,7 +113,7 @@ _REQUIRED = object()   # never equal to a value: the fields always written
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
 _OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
-                    "n": 1, "echo": False}
+                    "n": 1, "echo": False, "input": None, "dimensions": None, "encoding_format": None}
 
 
 @dataclass
@@ -284,6 +296,8 @@ class _Reader:
             rid, model, req, labels = self._openai(number, obj, problems)
         else:
             rid, model, req, labels = self._pipeline(number, obj, problems)
+        if labels is _EMBEDDING:
+            return self._embedding(number, rid, model, req, problems)
         inputs = request_inputs(req, self.limits.max_prompt_chars, problems)
         sampling = sampling_settings(req, labels, problems)
         timeout_s = request_timeout(req, problems)
@@ -298,13 +312,7 @@ class _Reader:
             structured = tool_spec
         if tools is not None and inputs["messages"] is None:
             problems.append("tools need messages (a chat request)")
-        if model is not None and self.model_names is not None and model not in self.model_names:
-            if self.job_model is not None:
-                problems.append(f"model {model!r} is not the job's model {self.job_model!r}; a job runs one model "
-                                "(choose it with --model, name it with --served-model-name, or leave body.model out)")
-            else:
-                problems.append(f"model {model!r} is not a name of the job's model (served as "
-                                f"{', '.join(map(repr, self.model_names))}; --served-model-name adds names)")
+        self._check_model(model, problems)
         if rid is not None:
             self._claim(number, rid, problems)
         if problems:
@@ -312,6 +320,32 @@ class _Reader:
         return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s,
                            structured_output=structured, tools=tools, tool_call=tool_call, logprobs=logprobs,
                            echo=echo)
+
+    def _embedding(self, number: int, rid: str | None, model: str | None, req: dict, problems: list[str]):
+        """An embedding request's spec: its inputs, dimensions and output encoding."""
+        inputs = embedding_inputs(req.get("input"), self.limits.max_prompt_chars, problems) if "input" in req else None
+        if inputs is None and not any(p.startswith("input") for p in problems):
+            problems.append("missing input")
+        dimensions = dimensions_setting(req.get("dimensions"), problems)
+        encoding = encoding_format_setting(req.get("encoding_format"), problems)
+        timeout_s = request_timeout(req, problems)
+        self._check_model(model, problems)
+        if rid is not None:
+            self._claim(number, rid, problems)
+        if problems:
+            raise Bad("; ".join(problems))
+        return RequestSpec(id=rid, line=number, prompt=None, messages=None, **_EMBEDDING_SAMPLING, stop=[], model=model,
+                           timeout_s=timeout_s, n=len(inputs), input=inputs, dimensions=dimensions,
+                           encoding_format=encoding)
+
+    def _check_model(self, model: str | None, problems: list[str]) -> None:
+        if model is not None and self.model_names is not None and model not in self.model_names:
+            if self.job_model is not None:
+                problems.append(f"model {model!r} is not the job's model {self.job_model!r}; a job runs one model "
+                                "(choose it with --model, name it with --served-model-name, or leave body.model out)")
+            else:
+                problems.append(f"model {model!r} is not a name of the job's model (served as "
+                                f"{', '.join(map(repr, self.model_names))}; --served-model-name adds names)")
 
     def _parse(self, number: int, raw: bytes) -> dict:
         if number == 1 and raw.startswith(_BOM):
@@ -340,16 +374,30 @@ class _Reader:
         return obj
 
     def _pipeline(self, number: int, obj: dict, problems: list[str]):
-        problems += [f"unknown field {k!r} (allowed: {', '.join(sorted(_PIPELINE_KEYS))})"
-                     for k in sorted(obj.keys() - _PIPELINE_KEYS)]
+        embedding = "input" in obj
+        self._same_kind(number, EMBEDDINGS_ENDPOINT if embedding else None, problems)
+        allowed = PIPELINE_EMBEDDING_KEYS if embedding else _PIPELINE_KEYS
+        problems += [f"unknown field {k!r} (allowed{' in an embedding line' if embedding else ''}: "
+                     f"{', '.join(sorted(allowed))})" for k in sorted(obj.keys() - allowed)]
         rid = f"line-{number:06d}"  # a stable id for lines without one
         if obj.get("id") is not None:
             rid = check(string, "id", obj["id"], self.limits.max_id_chars, problems)
+        if embedding:
+            return rid, None, obj, _EMBEDDING
         if obj.get("prompt") is not None and obj.get("messages") is not None:
             problems.append("give either prompt or messages, not both")
         elif obj.get("prompt") is None and obj.get("messages") is None:
             problems.append("missing prompt or messages (give exactly one)")
         return rid, None, obj, {}
+
+    def _same_kind(self, number: int, endpoint: str | None, problems: list[str]) -> None:
+        """A pipeline-format file is all generation or all embeddings (`input` lines): the first line decides."""
+        if self.endpoint_line is None:
+            self.endpoint, self.endpoint_line = endpoint, number
+        elif endpoint != self.endpoint:
+            kinds = {None: "a generation line (prompt or messages)", EMBEDDINGS_ENDPOINT: "an embedding line (input)"}
+            problems.append(f"{kinds[endpoint]} in a file whose first request (line {self.endpoint_line}) is "
+                            f"{kinds[self.endpoint]}; a file must be one or the other throughout")
 
     def _openai(self, number: int, obj: dict, problems: list[str]):
         problems += [f"unknown field {k!r} (an OpenAI batch line has custom_id, method, url and body)"
@@ -379,12 +427,25 @@ class _Reader:
         endpoint = url if url in ENDPOINTS else self.endpoint
         if endpoint is None:  # the url error above already says what is wrong
             return rid, None, {}, {}
+        if endpoint == EMBEDDINGS_ENDPOINT:
+            problems += [f"unsupported field {k!r} in a {endpoint} body" for k in sorted(body.keys() - OPENAI_EMBEDDING_KEYS)]
+            model = body.get("model")
+            if model is not None:
+                model = check(string, "model", model, self.limits.max_id_chars, problems)
+            return rid, model, body, _EMBEDDING
         return (rid, *openai_body(endpoint, body, self.limits.max_id_chars, problems))
 
     def _claim(self, number: int, rid: str, problems: list[str]) -> None:
         first = self._seen.setdefault(rid, number)
         if first != number:
             problems.append(f"duplicate id {rid!r} (first on line {first})")
+
+
+_EMBEDDING = object()   # the labels of an embedding line: _request sends it to _embedding
+# An embedding request samples nothing: its shard line keeps the defaults of RequestSpec's
+# required sampling fields (stop is given afresh per request), so it reads like any other.
+_EMBEDDING_SAMPLING = {k: SAMPLING_DEFAULTS[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                                                         "repetition_penalty", "seed", "ignore_eos")}
 
 
 def _names_of(job_model: str) -> tuple[str, str]:

@@ -17,8 +17,8 @@ _SUCCESSES = pa.array([reason.value for reason in FinishReason if reason.is_succ
 _FAILURES = pa.array([reason.value for reason in FinishReason if reason.is_failure])
 
 _INT_KEYS = ("total_requests", "completed_requests", "failed_requests", *SUMMED_COLUMNS,
-             "constrained_requests", "constrained_valid")
-_FLOAT_KEYS = ("prefix_hit_rate", "acceptance_rate", "wall_seconds", "output_tok_s", "total_tok_s",
+             "constrained_requests", "constrained_valid", "embedding_vectors")
+_FLOAT_KEYS = ("prefix_hit_rate", "acceptance_rate", "wall_seconds", "output_tok_s", "total_tok_s", "vectors_s",
                "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95")
 STATS_SCHEMA = pa.schema([("job_id", pa.string())]
                          + [(k, pa.int64()) for k in _INT_KEYS]
@@ -37,10 +37,12 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     tokens served from the engine's prefix cache (None without prompt tokens). acceptance_rate
     is the share of speculative draft tokens accepted (None when nothing was drafted).
     constrained_requests counts the structured-output answers, constrained_valid those
-    complete under their grammar. Throughputs are None unless wall_seconds > 0.
+    complete under their grammar. embedding_vectors counts the vectors made (an embedding
+    request's inputs; its prompt tokens are the inputs' tokens). Throughputs are None unless
+    wall_seconds > 0.
     """
     table = read_results(results_dir, columns=["id", "choice", *SUMMED_COLUMNS, "finish_reason", "ttft_s",
-                                               "latency_s", "valid"])
+                                               "latency_s", "valid", "embedding"])
     reason = table["finish_reason"]
     ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
     failed = pc.is_in(reason, value_set=_FAILURES)
@@ -54,11 +56,13 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
         **sums,
         "constrained_requests": pc.count(table["valid"]).as_py() or 0,   # nulls (free text) not counted
         "constrained_valid": pc.sum(table["valid"]).as_py() or 0,
+        "embedding_vectors": (vectors := pc.count(table["embedding"]).as_py() or 0),
         "prefix_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
         "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
         "wall_seconds": float(wall_seconds),
         "output_tok_s": _per_second(output_tokens, wall_seconds),
         "total_tok_s": _per_second(prompt_tokens + output_tokens, wall_seconds),
+        "vectors_s": _per_second(vectors, wall_seconds) if vectors else None,
         "latency_p50": latency[0], "latency_p95": latency[1], "latency_p99": latency[2],
         "ttft_p50": ttft[0], "ttft_p95": ttft[1],
     }

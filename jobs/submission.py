@@ -17,10 +17,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import ledger, spec
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
+from jobs.request_fields import EMBEDDINGS_ENDPOINT
 from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.shards import check_shard_size, read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.engine_key import engine_key
+from pipeline.models.model_dir import is_encoder
 from pipeline.request import FinishReason
 
 
@@ -89,8 +91,11 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
                                                      model=tuple(served_names) or model)
-        if endpoint is not None and validation.endpoint not in (None, endpoint):
-            raise EndpointMismatch(validation.endpoint, endpoint)
+        # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
+        if endpoint is not None and validation.endpoint != endpoint and (
+                validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):
+            raise EndpointMismatch(validation.endpoint or "generation (the pipeline format)", endpoint)
+        _check_model_can_answer(validation, engine_options.get("model"))
         check_capacity(Session, validation.num_requests, max_queued_requests)
         with Session() as s:
             ledger.create_job(
@@ -105,6 +110,16 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         _remove_unmade(job_paths)
         raise
     return job_id, shard_sizes
+
+
+def _check_model_can_answer(validation: spec.Validation, model: str | None) -> None:
+    """An encoder only embeds: a generation file for one is refused whole (InvalidInput), not
+    failed line by line on a worker."""
+    if validation.endpoint != EMBEDDINGS_ENDPOINT and model and is_encoder(Path(model)):
+        problem = spec.LineError(None, f"the model {Path(model).name} is an encoder: it embeds and cannot generate; "
+                                       "give embedding lines (input) or a generative model")
+        raise spec.InvalidInput(spec.Validation(validation.num_requests, [problem], 1, validation.input_format,
+                                                validation.endpoint))
 
 
 def _remove_unmade(job_paths: JobPaths) -> None:

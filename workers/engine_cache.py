@@ -133,13 +133,13 @@ class EngineCache:
     def _build(self, config: EngineConfig) -> None:
         """Build the engine, outside the lock (this caller is counted as a user, so nobody
         drops or builds meanwhile); `building` ends however it goes."""
-        from pipeline.engine.engine import Engine  # torch: only once an engine is really needed
+        from pipeline.engine.factory import build_engine  # torch: only once an engine is really needed
         from pipeline.engine.engine_loop import EngineLoop
         key = engine_key(dataclasses.asdict(config))
         log.info("loading engine %s (model %s)", key, config.model or "bundled")   # tests count these
         start = time.monotonic()
         try:
-            loop = EngineLoop(lambda: Engine(config), observer=EngineObserver())
+            loop = EngineLoop(lambda: build_engine(config), observer=EngineObserver())
             with self._changed:
                 self._loop, self._config, self._key = loop, config, key
         finally:

@@ -161,7 +161,8 @@ class EngineObserver:
             scheduler = engine.scheduler
             running.set(len(scheduler.running))
             waiting.set(len(scheduler.waiting))
-            kv_cache.set(engine.block_manager.utilization)
+            if engine.block_manager is not None:   # an encoder has no KV cache
+                kv_cache.set(engine.block_manager.utilization)
             if scheduler.num_preemptions > self._preemptions:
                 preemptions.inc(scheduler.num_preemptions - self._preemptions)
                 self._preemptions = scheduler.num_preemptions

@@ -34,6 +34,7 @@ from jobs.results import write_shard_tmp
 from jobs.scheduling import expired_error
 from jobs.shards import read_shard
 from jobs.spec import RequestSpec
+from pipeline.pooling_params import PoolingParams
 from pipeline.request import Request
 from pipeline.sampling_params import SamplingParams
 from workers import logs, metrics
@@ -148,6 +149,16 @@ def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
                    timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
 
 
+def embedding_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[Request]:
+    """The engine requests of an embedding line: one per input (a text or token ids), with
+    ids unique in the shard: the spec's id, a NUL, the input's index (the digits after the
+    last NUL, so two (id, index) pairs never give one id)."""
+    pooling = PoolingParams(spec.dimensions)
+    timeout_s = spec.timeout_s or timeout_s
+    return [Request(f"{spec.id}\0{i}", **({"prompt": item} if isinstance(item, str) else {"prompt_token_ids": item}),
+                    pooling=pooling, timeout_s=timeout_s) for i, item in enumerate(spec.input)]
+
+
 class InputUnreadable(OSError):
     """This process cannot read a shard's input file (the message says where it looked)."""
 
@@ -206,12 +217,18 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
     request_shutdown). The requests an expiry left unfinished get error rows
     (jobs.scheduling.expired_error), those a cancel left get cancelled rows."""
     job_id = job.id
-    by_id = {spec.id: spec for spec in specs}
+    answers: dict[str, tuple[RequestSpec, int]] = {}   # engine request id -> (spec, choice it answers)
     rows: dict[tuple[str, int], dict] = {}   # (id, choice) -> row: one per answer
     requests = []
     for spec in specs:
         try:
-            requests.append(to_request(spec, job.request_timeout_s))
+            if spec.is_embedding:   # one engine request per input, each answering one choice
+                for choice, request in enumerate(embedding_requests(spec, job.request_timeout_s)):
+                    requests.append(request)
+                    answers[request.id] = spec, choice
+            else:
+                requests.append(to_request(spec, job.request_timeout_s))
+                answers[spec.id] = spec, 0
         except ValueError as e:  # e.g. a sampling setting the engine rejects: this request fails alone
             for row in result_row.error_rows([spec], f"invalid request: {e}", index, attempt):
                 rows[spec.id, row["choice"]] = row
@@ -220,9 +237,11 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
     with _CancelPoll(Session, job_id) as cancel:
         stop = lambda: lease.lost.is_set() or _shutdown.is_set() or cancel()  # noqa: E731
         for out in engine.generate(requests, should_stop=stop):
-            spec = by_id[out.id]
+            spec, choice = answers[out.id]
+            out.id, out.choice = spec.id, choice + out.choice
             row = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model,
-                                         echo=spec.prompt if spec.echo else None)
+                                         echo=spec.prompt if spec.echo else None,
+                                         encoding_format=spec.encoding_format)
             rows[out.id, out.choice] = row
             _notify(on_result, row)
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a

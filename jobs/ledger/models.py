@@ -16,8 +16,8 @@ INPUT_FORMATS = ("pipeline", "openai")
 STATS_COLUMNS = (
     "completed_requests", "failed_requests", "prompt_tokens", "output_tokens", "cached_tokens",
     "prefix_hit_rate", "draft_tokens", "accepted_tokens", "acceptance_rate",
-    "constrained_requests", "constrained_valid",
-    "wall_seconds", "output_tok_s", "total_tok_s",
+    "constrained_requests", "constrained_valid", "embedding_vectors",
+    "wall_seconds", "output_tok_s", "total_tok_s", "vectors_s",
     "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
 )
 
@@ -101,6 +101,8 @@ class Job(Base):
     # or cut by a stop string: results' valid = false).
     constrained_requests: Mapped[int] = mapped_column(Integer, default=0)
     constrained_valid: Mapped[int] = mapped_column(Integer, default=0)
+    embedding_vectors: Mapped[int] = mapped_column(Integer, default=0)   # an embedding job's vectors
+    vectors_s: Mapped[float | None] = mapped_column(Float)               # ... per second of wall time
     wall_seconds: Mapped[float | None] = mapped_column(Float)
     output_tok_s: Mapped[float | None] = mapped_column(Float)
     total_tok_s: Mapped[float | None] = mapped_column(Float)

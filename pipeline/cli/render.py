@@ -70,7 +70,10 @@ def print_summary(job) -> None:
     click.echo(f"job {job.id}: {job.status}")
     click.echo(f"  requests: {job.completed_requests} completed, {job.failed_requests} failed"
                + (f", {cancelled} not run" if cancelled else "") + f" of {job.total_requests}")
-    if job.output_tok_s is not None:
+    if job.vectors_s is not None:
+        click.echo(f"  throughput: {job.vectors_s:.1f} vectors/s, {job.total_tok_s:.1f} input tok/s "
+                   f"over {job.wall_seconds:.1f} s")
+    elif job.output_tok_s is not None:
         click.echo(f"  throughput: {job.output_tok_s:.1f} output tok/s, {job.total_tok_s:.1f} total tok/s "
                    f"over {job.wall_seconds:.1f} s")
     click.echo(f"  results: {job.results_path}  (see: pipeline results {job.id})")
@@ -144,6 +147,8 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
             *([("structured", f"{job.constrained_valid} of {job.constrained_requests} constrained answers "
                                 f"complete under their grammar (the rest: results' valid = false)")]
               if job.constrained_requests else []),
+            *([("embeddings", f"{job.embedding_vectors} vectors, {_num(job.vectors_s)} per second")]
+              if job.embedding_vectors else []),
             ("priority", job.priority),
             ("deadline", deadline(job, with_window=True)),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),

@@ -280,6 +280,41 @@ def test_an_unchanged_hosted_batch_file_runs_with_n_choices_through_the_client(s
     assert batch.usage.output_tokens == sum(b.usage.completion_tokens for b in lines.values())
 
 
+def test_an_embeddings_batch_runs_through_the_client_and_a_chat_file_is_refused_for_it(server):
+    """/v1/embeddings lines on the bundled decoder (last-token pooling, normalised): a text, a
+    list of texts, token ids; floats and base64 (the same vector), dimensions cut it."""
+    import base64
+    import struct
+
+    from openai.types import CreateEmbeddingResponse
+    client = server.client()
+    url = "/v1/embeddings"
+    rows = [{"custom_id": cid, "method": "POST", "url": url, "body": {"model": "gpt-4o-mini", **body}} for cid, body in [
+        ("one", {"input": "the cat sat on the mat"}),
+        ("many", {"input": ["the cat sat on the mat", "quarterly revenue grew 8%"]}),
+        ("b64", {"input": "the cat sat on the mat", "encoding_format": "base64", "dimensions": 64}),
+        ("ids", {"input": [[1, 2, 3]]}),
+    ]]
+    upload = client.files.create(file=("corpus.jsonl", jsonl(rows)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="are for /v1/embeddings, not /v1/chat/completions"):
+        client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    batch = wait_until_ended(client, client.batches.create(input_file_id=upload.id, endpoint=url,
+                                                           completion_window="24h").id)
+    assert batch.status == "completed" and batch.endpoint == url and batch.request_counts.completed == 4
+    lines = {line["custom_id"]: line["response"]["body"] for line in lines_of(client, batch.output_file_id)}
+    raw64 = lines["b64"]["data"][0]["embedding"]
+    cut = list(struct.unpack("<64f", base64.b64decode(raw64)))
+    lines["b64"]["data"][0]["embedding"] = cut   # the type holds floats (the client decodes base64 itself)
+    bodies = {cid: CreateEmbeddingResponse.model_validate(body) for cid, body in lines.items()}
+    one, many = bodies["one"].data[0].embedding, bodies["many"].data
+    assert len(one) == 576 and abs(sum(x * x for x in one) - 1) < 1e-4 and bodies["one"].model == "gpt-4o-mini"
+    assert [d.index for d in many] == [0, 1] and many[0].embedding == pytest.approx(one, abs=1e-5)
+    norm = sum(x * x for x in one[:64]) ** 0.5
+    assert cut == pytest.approx([x / norm for x in one[:64]], abs=1e-5)
+    assert bodies["many"].usage.prompt_tokens > bodies["one"].usage.prompt_tokens > 0   # every input's tokens
+    assert bodies["ids"].usage.prompt_tokens == 3
+
+
 def test_another_key_gets_404_for_the_first_keys_batch_and_files(server, finished):
     upload, _, batch = finished
     other = server.client(server.keys["team-b"])

@@ -5,7 +5,7 @@ import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from openai.types import Batch, Completion
+from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from jobs.openai_format import batch_object, is_error_line, output_line, write_openai_files
@@ -73,7 +73,7 @@ def test_ids_are_deterministic_and_distinct():
 
 def test_unknown_endpoint_and_finish_reason_are_refused():
     with pytest.raises(ValueError, match="endpoint"):
-        output_line(row(), endpoint="/v1/embeddings", model="m", created=1)
+        output_line(row(), endpoint="/v1/moderations", model="m", created=1)
     with pytest.raises(ValueError, match="finish_reason"):
         output_line(row(finish_reason="weird"), endpoint=CHAT, model="m", created=1)
 
@@ -177,3 +177,21 @@ def test_batch_object_fields():
 def test_batch_object_rejects_unknown_status():
     with pytest.raises(ValueError, match="status"):
         batch_object(job("paused"))
+
+
+def test_embedding_output_line_validates_with_floats_and_base64():
+    import base64
+    import struct
+    vectors = [[0.6, -0.8, 0.0], [1.0, 0.0, 0.0]]
+    rows = [{**row(id="e", output="", output_tokens=0, prompt_tokens=4 + i), "choice": i, "embedding": v,
+             "encoding_format": fmt} for i, (v, fmt) in enumerate(zip(vectors, [None, "base64"]))]
+    line = output_line(rows, endpoint="/v1/embeddings", model="minilm", created=1)
+    raw = line["response"]["body"]["data"][1]["embedding"]   # openai's type holds floats: its client decodes base64
+    assert isinstance(raw, str) and list(struct.unpack("<3f", base64.b64decode(raw))) == vectors[1]
+    line["response"]["body"]["data"][1]["embedding"] = vectors[1]
+    body = CreateEmbeddingResponse.model_validate(line["response"]["body"])
+    assert (body.object, body.model, body.usage.prompt_tokens, body.usage.total_tokens) == ("list", "minilm", 9, 9)
+    assert [d.index for d in body.data] == [0, 1] and body.data[0].embedding == vectors[0]
+    failed = output_line([{**rows[0], "finish_reason": "error", "error": "too long", "embedding": None}],
+                         endpoint="/v1/embeddings", model="m", created=1)
+    assert failed["response"] is None and failed["error"]["message"] == "too long"

@@ -352,7 +352,7 @@ def test_openai_line_errors(tmp_path):
     path = write(tmp_path, [
         batch_line("ok", chat_body()),                                      # 1
         batch_line("m", chat_body(), method="GET"),                         # 2
-        batch_line("u", chat_body(), url="/v1/embeddings"),                 # 3
+        batch_line("u", chat_body(), url="/v1/moderations"),                 # 3
         {"custom_id": "nb", "method": "POST", "url": CHAT},                 # 4
         batch_line("ok", chat_body()),                                      # 5
         batch_line("lp", chat_body(logprobs=True, top_logprobs=21)),        # 6
@@ -368,7 +368,7 @@ def test_openai_line_errors(tmp_path):
         batch_line("ok2", chat_body(n=1, model=None)),                      # 16
     ])
     expected = {
-        2: 'method must be "POST"', 3: "unknown url '/v1/embeddings'", 4: "missing body",
+        2: 'method must be "POST"', 3: "unknown url '/v1/moderations'", 4: "missing body",
         5: "duplicate id 'ok' (first on line 1)", 6: "top_logprobs must be between 0 and 20",
         7: "n must be between 1 and 128, got 129", 8: "not both", 9: "missing custom_id",
         10: "unknown field 'extra'", 11: "unsupported field 'prompt'",
@@ -533,3 +533,38 @@ def test_penalties_and_logit_bias_are_checked_and_kept(tmp_path):
     openai = write(tmp_path, [batch_line("o", chat_body(presence_penalty=1, logit_bias={"5": 5}))], name="o.jsonl")
     (spec,) = [item for _, item in iter_lines(openai)]
     assert (spec.presence_penalty, spec.logit_bias) == (1.0, {"5": 5.0})
+
+
+def test_embedding_lines_in_both_formats(tmp_path):
+    """OpenAI /v1/embeddings bodies and pipeline-format `input` lines: one row (n) per input,
+    every problem named with its line; a file is all embeddings or all generation."""
+    openai = write(tmp_path, [
+        batch_line("one", {"model": "m", "input": "hello"}, url="/v1/embeddings"),                      # 1
+        batch_line("many", {"input": ["a", "b", "c"], "dimensions": 8, "encoding_format": "base64"},
+                   url="/v1/embeddings"),                                                               # 2
+        batch_line("ids", {"input": [[1, 2], [3]], "encoding_format": "float", "user": "u"}, url="/v1/embeddings"),  # 3
+        batch_line("bad", {"input": [1, "x"], "dimensions": 0, "encoding_format": "hex", "n": 2},
+                   url="/v1/embeddings"),                                                               # 4
+        batch_line("empty", {"input": []}, url="/v1/embeddings"),                                       # 5
+        batch_line("none", {"model": "m"}, url="/v1/embeddings"),                                       # 6
+        batch_line("chat", chat_body()),                                                                # 7
+    ], "e.jsonl")
+    items = dict(iter_lines(openai))
+    specs = {n: item for n, item in items.items() if isinstance(item, RequestSpec)}
+    assert [(s.id, s.input, s.n, s.dimensions, s.encoding_format) for s in specs.values()] == [
+        ("one", ["hello"], 1, None, None), ("many", ["a", "b", "c"], 3, 8, "base64"), ("ids", [[1, 2], [3]], 2, None, None)]
+    assert all(s.is_embedding and s.prompt is None and s.messages is None for s in specs.values())
+    assert RequestSpec.from_dict(specs[2].to_dict()) == specs[2]
+    errors = {n: str(item) for n, item in items.items() if not isinstance(item, RequestSpec)}
+    assert "not a mix" in errors[4] and "dimensions must be between 1 and 65536" in errors[4]
+    assert "encoding_format must be \"float\" or \"base64\"" in errors[4] and "unsupported field 'n'" in errors[4]
+    assert "input must be a string, a list" in errors[5] and "missing input" in errors[6]
+    assert "differs from '/v1/embeddings' of line 1" in errors[7]
+    assert validate(openai).endpoint == "/v1/embeddings"
+
+    ours = write(tmp_path, [{"id": "a", "input": "text"}, {"id": "b", "input": ["x", "y"], "dimensions": 2},
+                            {"id": "c", "prompt": "hi"}, {"id": "d", "input": "x", "temperature": 0}], "p.jsonl")
+    items = dict(iter_lines(ours))
+    assert items[2].n == 2 and items[2].dimensions == 2
+    assert "a generation line (prompt or messages) in a file whose first request (line 1) is an embedding line" in str(items[3])
+    assert "unknown field 'temperature' (allowed in an embedding line" in str(items[4])
