@@ -3,6 +3,7 @@
 
     python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16] [--dtype float32]
     python benchmarks/quantization.py --kv-cache ...    # the KV-cache rows instead
+    python benchmarks/quantization.py --linears         # int8 GEMM candidates per layer shape
 
 Quality is perplexity of the model on a fixed English text (teacher forcing through our
 own model code) and greedy agreement with float32: the share of greedy tokens, over a
@@ -11,6 +12,9 @@ With --kv-cache it compares the KV-cache dtypes (auto, int8) on float32 MKL-pack
 weights, and the perplexity is computed in chunks of one block whose attention reads
 every key and value back from the cache (in one unchunked pass a prompt's attention
 uses its fresh keys and values, so a quantized cache would not show).
+With --linears it times each CPU int8 candidate against float32 on the bundled model's
+layer shapes (interleaved, the fastest of many rounds: the machine is shared) and prints
+one JSON line per shape and row count, with each candidate's error against float32.
 Prints one JSON line per mode; the README's table comes from this script.
 """
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.layers.attention.cpu_paged import AttentionMetadata, PrefillChunk, cache_rows
 from pipeline.cli.bench import read_workload
+from pipeline.layers.int8_linear import Int8Linear, quantize_weight
+from pipeline.layers.packed_linear import PackedLinear
 
 TEXT = ("The history of the city begins in the first century, when a small settlement grew up on the "
         "banks of the river. Over the following centuries it became an important market town, and its "
@@ -49,6 +55,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
         scb = getattr(getattr(m, "weight", None), "SCB", None)
         if scb is not None:
             total += scb.numel() * scb.element_size()
+        if isinstance(m, Int8Linear):   # fbgemm's packed weight is no tensor
+            total += m.weight_bytes
     return total
 
 
@@ -84,18 +92,85 @@ def greedy(engine: Engine, n_tokens: int) -> dict[str, list[int]]:
     return {o.id: o.token_ids for o in engine.generate(reqs)}
 
 
+LINEAR_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+LINEAR_ROWS = (1, 8, 64, 300, 1024)
+
+
+def linear_candidates(linear: torch.nn.Linear) -> dict:
+    """name -> function of x [rows, in] float32, each multiplying by linear's weight."""
+    weight = linear.weight.detach()
+    q, scale = quantize_weight(weight)
+    qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
+    candidates = {"float32 MKL-packed": PackedLinear(linear),
+                  "float32 F.linear": lambda x: torch.nn.functional.linear(x, weight),
+                  "w8a8 Int8Linear (ours)": Int8Linear(linear)}
+    for engine in ("x86", "onednn"):   # PyTorch's dynamic path: one activation range per batch
+        torch.backends.quantized.engine = engine
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+        candidates[f"linear_dynamic {engine}"] = lambda x, p=packed: torch.ops.quantized.linear_dynamic(x, p, True)
+    torch.backends.quantized.engine = "x86"
+    onednn_packed = torch.ops.onednn.qlinear_prepack(q, [1024, linear.in_features])
+
+    def onednn_qlinear(x):   # uint8 activations, one dynamic range over the whole batch
+        lo, hi = torch.aminmax(x)
+        s = max(hi.item() - lo.item(), 1e-8) / 255
+        zp = int(round(-lo.item() / s))
+        xq = torch.clamp(torch.round(x / s) + zp, 0, 255).to(torch.uint8)
+        return torch.ops.onednn.qlinear_pointwise(xq, s, zp, onednn_packed, scale, torch.zeros(len(scale), dtype=torch.long),
+                                                  None, 1.0, 0, torch.float32, "none", [], "")
+    candidates["onednn qlinear_pointwise"] = onednn_qlinear
+    qt = q.t().contiguous()
+
+    def int_mm(x):   # activations per token, int32 out
+        top = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+        return torch._int_mm(torch.round(x / top).to(torch.int8), qt).float() * top * scale
+    candidates["torch._int_mm"] = int_mm
+    candidates["torch._weight_int8pack_mm (weight-only)"] = lambda x: torch._weight_int8pack_mm(x, q, scale)
+    return candidates
+
+
+@torch.inference_mode()
+def time_linears(rounds: int = 5) -> None:
+    torch.manual_seed(0)
+    for shape, (k, n) in LINEAR_SHAPES.items():
+        candidates = linear_candidates(torch.nn.Linear(k, n, bias=False))
+        for rows in LINEAR_ROWS:
+            x = torch.randn(rows, k)
+            expected = candidates["float32 F.linear"](x)
+            best = {name: math.inf for name in candidates}
+            calls = max(1, int(3e7 // (rows * k * n)))   # a timing of at least ~30M multiply-adds
+            for _ in range(rounds):   # interleaved: a slow spell of the machine hits every candidate
+                for name, fn in candidates.items():
+                    fn(x)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn(x)
+                    best[name] = min(best[name], (time.perf_counter() - start) / calls)
+            errors = {name: ((fn(x) - expected).norm() / expected.norm()).item() for name, fn in candidates.items()}
+            print(json.dumps({"shape": f"{shape} {k}->{n}", "rows": rows,
+                              "us": {name: round(t * 1e6, 1) for name, t in best.items()},
+                              "vs_mkl": {name: round(best["float32 MKL-packed"] / t, 2) for name, t in best.items()},
+                              "error": {name: float(f"{e:.2g}") for name, e in errors.items()}}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--requests", required=True)
+    ap.add_argument("--requests")
     ap.add_argument("--n", type=int, default=16, help="requests of the workload to time")
     ap.add_argument("--dtype", default="float32", help="compute dtype (the README's table: float32)")
     ap.add_argument("--kv-cache", action="store_true", help="compare the KV-cache dtypes instead")
+    ap.add_argument("--linears", action="store_true", help="time the int8 GEMM candidates per layer shape")
     a = ap.parse_args()
+    if a.linears:
+        return time_linears()
+    if not a.requests:
+        ap.error("--requests is needed (except with --linears)")
     workload = read_workload(a.requests)[:a.n]
     reference = None
     # "none" twice: plain float32 weights, then MKL-packed (the CPU float32 default).
-    modes = [("none", False, "auto"), ("none", True, "auto"), ("int8", False, "auto"), ("nf4", False, "auto")]
+    modes = [("none", False, "auto"), ("none", True, "auto"), ("int8", False, "auto"), ("nf4", False, "auto"),
+             ("w8a8", False, "auto")]
     if a.kv_cache:
         modes = [("none", True, "auto"), ("none", True, "int8")]
     for mode, packed, kv_dtype in modes:

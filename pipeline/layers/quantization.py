@@ -1,7 +1,9 @@
-"""Weight quantization by module swap: bitsandbytes int8 (LLM.int8) or nf4.
+"""Weight quantization by module swap: bitsandbytes int8 (LLM.int8) or nf4, or w8a8 on a CPU.
 
 The decoder's linear layers are replaced by bitsandbytes modules holding quantized
-weights; embeddings, norms and the (often tied) LM head stay in the model dtype.
+weights (any device), or for w8a8 by int8_linear.Int8Linear (CPU only: fbgemm's int8
+GEMM, faster than float32 there, where bitsandbytes' CPU kernels are slower); embeddings,
+norms and the (often tied) LM head stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
     if mode == "none":
         return model
+    if mode == "w8a8":
+        return _quantize_w8a8(model, device)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
@@ -44,3 +48,15 @@ def _quantized_linear(bnb, linear: nn.Linear, mode: str, device, compute_dtype) 
         q.bias = nn.Parameter(linear.bias.data.to("cpu", compute_dtype), requires_grad=False)
     # Moving the parameters is what quantizes them; a new module starts in training mode.
     return q.to(device).eval()
+
+
+def _quantize_w8a8(model: nn.Module, device: torch.device) -> nn.Module:
+    if device.type != "cpu":
+        raise ValueError("quantization 'w8a8' runs on a CPU only; on CUDA use 'int8' (bitsandbytes)")
+    from pipeline.layers.int8_linear import quantize_linear_layers
+    from pipeline.layers.packed_linear import pack_linear_layers
+    quantize_linear_layers(model, QUANTIZED_LAYERS)
+    # The engine packs weights only unquantized; the float LM head is as costly as a
+    # quarter of the decoder in a decode step, so it is packed here as it would be then.
+    pack_linear_layers(model)
+    return model.eval()

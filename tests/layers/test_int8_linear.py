@@ -1,0 +1,200 @@
+"""CPU int8 linear layers (`--quantization w8a8`, pipeline/layers/int8_linear.py): bounded
+error against float32 for any shape and row count, a row's result independent of its
+batch, the kernel chosen once and logged, the PyTorch fallback forced and equal; and the
+engine on the tiny Llama: it generates, and prefix caching, preemption and speculative
+decoding give the very tokens they give without them."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import Engine, EngineConfig, Request
+from pipeline.engine_key import engine_key
+from pipeline.layers import int8_linear
+from pipeline.layers.int8_linear import NARROW_ACTIVATIONS, Int8Gemm, Int8Linear, int8_gemm
+from pipeline.layers.packed_linear import PackedLinear, _mkl
+from pipeline.layers.quantization import quantize
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
+
+REFERENCE = Int8Gemm("reference", NARROW_ACTIVATIONS, "test")
+needs_fbgemm = pytest.mark.skipif(int8_gemm().kernel != "fbgemm", reason="fbgemm is not used on this machine")
+
+
+@pytest.fixture
+def fresh_choice():
+    """int8_gemm() made again in the test (and again after it, as the process had it)."""
+    int8_gemm.cache_clear()
+    yield
+    int8_gemm.cache_clear()
+
+
+def row_errors(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    return (got - expected).norm(dim=-1) / expected.norm(dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 1024])
+@pytest.mark.parametrize("in_features, out_features, bias", [(37, 53, True), (576, 960, False), (1536, 576, True)])
+def test_int8_linear_is_within_a_bounded_error_of_float32(rows, in_features, out_features, bias):
+    """129 activation levels per token and 255 weight levels per channel: ~2% per row on
+    Gaussian data (measured: 1.5-2.2%); the bound leaves room, a broken scale or packing
+    would be off by 100%."""
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        expected = linear(x)
+        got = Int8Linear(linear)(x)
+        reference = Int8Linear(linear, REFERENCE)(x)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert row_errors(got, expected).max() < 0.05
+    # The chosen kernel and the PyTorch path compute the same arithmetic (float32 sums; a
+    # value exactly between two levels may round the other way: one step in that row).
+    assert row_errors(got, reference).median() < 1e-5 and row_errors(got, reference).max() < 1e-2
+
+
+def test_rows_of_any_scale_leading_dimensions_and_bfloat16():
+    """Per-token scales: a row 1e-3 or 1e3 times another is as accurate as it; a zero row
+    gives the bias; [batch, tokens, features] and bf16 in give the same shape and dtype out."""
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 40)
+    x = torch.randn(6, 96) * torch.tensor([1e-3, 1.0, 1e3, 0.0, 5.0, 1.0])[:, None]
+    with torch.inference_mode():
+        layer = Int8Linear(linear)
+        got = layer(x)
+        expected = linear(x)
+        assert row_errors(got[[0, 1, 2, 4, 5]], expected[[0, 1, 2, 4, 5]]).max() < 0.05
+        torch.testing.assert_close(got[3], linear.bias.detach())
+        assert layer(x.view(2, 3, 96)).shape == (2, 3, 40)
+        torch.testing.assert_close(layer(x.view(2, 3, 96)), got.view(2, 3, 40))
+        bf16 = layer(x.bfloat16())
+        assert bf16.dtype == torch.bfloat16
+        assert row_errors(bf16.float()[[1, 4, 5]], expected[[1, 4, 5]]).max() < 0.06
+
+
+@needs_fbgemm
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """Fixed activation parameters after per-token scaling: bit-identical rows alone and
+    in batches of any size (what preemption, prefix caching and speculation rely on)."""
+    torch.manual_seed(2)
+    layer = Int8Linear(nn.Linear(200, 120))
+    x = torch.randn(300, 200) * torch.logspace(-2, 2, 300)[:, None]
+    with torch.inference_mode():
+        batch = layer(x)
+        for lo, hi in [(0, 1), (5, 6), (7, 64), (100, 299)]:
+            assert torch.equal(layer(x[lo:hi]), batch[lo:hi]), (lo, hi)
+
+
+@needs_fbgemm
+def test_saturating_activation_range_is_caught_by_the_self_check():
+    """255 activation levels overflow vpmaddubsw's int16 sums without VNNI: the self-check
+    sees it there (and passes where the CPU has VNNI); 129 levels always pass."""
+    assert int8_linear._agrees_with_reference(NARROW_ACTIVATIONS)
+    vnni = "avx512_vnni" in int8_linear.cpu_flags()
+    assert int8_linear._agrees_with_reference(int8_linear.FULL_ACTIVATIONS) == vnni
+
+
+def test_kernel_choice_is_made_once_and_logged_once(fresh_choice, caplog):
+    with caplog.at_level(logging.INFO, logger="pipeline.layers.int8_linear"):
+        for _ in range(3):
+            Int8Linear(nn.Linear(16, 8))
+    records = [r for r in caplog.records if r.getMessage().startswith("int8 linear layers:")]
+    assert len(records) == 1
+    assert int8_gemm().kernel in records[0].getMessage()
+
+
+def test_forced_fallback_is_used_and_agrees(fresh_choice, monkeypatch, tiny_model_dir):
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(10, 64)
+    with torch.inference_mode():
+        chosen = Int8Linear(linear)(x)
+    int8_gemm.cache_clear()
+    monkeypatch.setenv(int8_linear.FORCE_ENV, "reference")
+    assert int8_gemm().kernel == "reference"
+    layer = Int8Linear(linear)
+    assert layer.gemm.kernel == "reference" and not hasattr(layer, "packed")
+    with torch.inference_mode():
+        assert row_errors(layer(x), chosen).max() < 1e-2
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization="w8a8", **BIG_POOL))
+    assert engine.model.model.layers[0].mlp.down_proj.gemm.kernel == "reference"
+    out = run(engine, [Request("q", prompt_token_ids=[504, 2365, 6354, 1604], params=greedy(6, ignore_eos=True))])
+    check_output(out["q"], engine)
+    assert out["q"].output_tokens == 6
+
+
+def test_w8a8_is_cpu_only_and_has_an_engine_key_of_its_own():
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize(nn.Sequential(), "w8a8", torch.device("cuda"), torch.float32)
+    keys = {engine_key({"quantization": mode}) for mode in ("none", "int8", "nf4", "w8a8")}
+    assert len(keys) == 4
+
+
+# ---- the engine on the tiny Llama ------------------------------------------------------------
+
+def w8a8_engine(model_dir, **overrides) -> Engine:
+    return Engine(EngineConfig(device="cpu", model=str(model_dir), quantization="w8a8", **{**BIG_POOL, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def tiny_w8a8(tiny_model_dir):
+    return w8a8_engine(tiny_model_dir)
+
+
+def mixed_requests(seed: int, n: int, prefix_len: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    prefix = random_prompt(rng, prefix_len)
+    return [Request(f"r{i}", prompt_token_ids=prefix + random_prompt(rng, rng.randint(1, 60)),
+                    params=greedy(rng.randint(4, 20), ignore_eos=True)) for i in range(n)]
+
+
+def test_engine_quantizes_every_decoder_linear_and_generates(tiny_w8a8):
+    model = tiny_w8a8.model
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert type(linear) is Int8Linear
+    assert type(model.lm_head) is (PackedLinear if _mkl() else nn.Linear)   # packed as without quantization
+    outs = run(tiny_w8a8, mixed_requests(0, 12) + [Request("hi", prompt="Hello", params=greedy(5))])
+    for out in outs.values():
+        check_output(out, tiny_w8a8)
+    assert all_blocks_free(tiny_w8a8)
+
+
+def test_prefix_caching_gives_the_same_tokens(tiny_model_dir, tiny_w8a8):
+    requests = mixed_requests(1, 10, prefix_len=3 * BIG_POOL["block_size"] + 5)
+    assert tiny_w8a8.reset_prefix_cache()
+    cached = run(tiny_w8a8, requests)
+    plain = run(w8a8_engine(tiny_model_dir, enable_prefix_caching=False), requests)
+    assert sum(o.cached_tokens for o in cached.values()) > 0
+    assert {k: o.token_ids for k, o in cached.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert all_blocks_free(tiny_w8a8)
+
+
+def test_preemption_gives_the_same_tokens(tiny_model_dir, tiny_w8a8):
+    small = w8a8_engine(tiny_model_dir, num_kv_blocks=24, block_size=4)
+    requests = mixed_requests(2, 10)
+    expected = run(tiny_w8a8, requests)
+    got = run(small, requests)
+    assert small.scheduler.num_preemptions > 0
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in expected.items()}
+    assert all_blocks_free(small)
+
+
+def test_speculative_decoding_gives_the_same_greedy_tokens(tiny_model_dir, tiny_w8a8):
+    rng = random.Random(4)
+    requests = []
+    for i in range(8):   # repeated stretches: drafts to accept and to reject
+        pattern = random_prompt(rng, rng.randint(3, 10))
+        requests.append(Request(f"s{i}", prompt_token_ids=(pattern * 12)[:rng.randint(20, 100)],
+                                params=greedy(rng.randint(8, 24), ignore_eos=True)))
+    spec = w8a8_engine(tiny_model_dir, speculative="ngram", num_speculative_tokens=4)
+    got = run(spec, requests)
+    expected = run(tiny_w8a8, requests)
+    assert sum(o.draft_tokens for o in got.values()) > 0
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in expected.items()}
+    assert all_blocks_free(spec)
