@@ -38,6 +38,12 @@ RESULT_COLUMNS = (
     ("logprobs", "token_logprobs"),  # per output token: token, logprob, bytes, top_logprobs (null: not asked)
     ("embedding", "vector"),       # an embedding request: the vector of input `choice` (null: generation)
     ("encoding_format", "string"),  # an embedding line's OpenAI encoding_format when not floats ("base64")
+    # Lineage: where the answer came from, so that a rerun can be audited.
+    ("line", "int32"),             # the request's line in the job's input file
+    ("request_key", "string"),     # its answer's identity (jobs.request_key; null: not deterministic)
+    ("engine", "string"),          # the fingerprint of the engine that computed it (model files and options)
+    ("worker", "string"),          # the worker ("host:pid") that computed it
+    ("reused_from", "string"),     # the job whose answer this is, when reused (null: computed for this job)
 )
 
 # Per-request token counts that are also kept summed: per shard and per job in the ledger,
@@ -47,18 +53,33 @@ SUMMED_COLUMNS = ("prompt_tokens", "output_tokens", "cached_tokens", "draft_toke
 SHARD_TOTALS = ("completed_requests", "failed_requests", *SUMMED_COLUMNS)
 
 
-def from_output(out: RequestOutput, shard: int, attempt: int, *, tool_call: str | None = None,
-                model: str | None = None, echo: str | None = None, encoding_format: str | None = None) -> dict:
-    """The row of a request the engine finished (any finish reason); tool_call: the function
-    its answer calls, when the request forced one (its output is the arguments); model:
-    the name the line gave its model (OpenAI output reports it); echo: the prompt, put before
-    the answer's text (OpenAI completions' echo), its tokens' logprobs before the answer's."""
+def from_output(out: RequestOutput, shard: int, attempt: int, spec=None, *, worker: str | None = None,
+                engine: str | None = None) -> dict:
+    """The row of a request the engine finished (any finish reason). From its spec (a
+    jobs.spec.RequestSpec): tool_call, the function its answer calls when the request forced
+    one (its output is the arguments); model, the name the line gave its model (OpenAI output
+    reports it); with echo, the prompt before the answer's text (OpenAI completions' echo) and
+    its tokens' logprobs before the answer's; its line and key. worker and engine: who computed it."""
+    echo = spec.prompt if spec is not None and spec.echo else None
     return {"id": out.id, "choice": out.choice, "output": (echo or "") + out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
-            "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": tool_call,
-            "model": model, "logprobs": _echoed(out) if echo is not None else out.logprobs,
-            "embedding": out.embedding, "encoding_format": encoding_format}
+            "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": getattr(spec, "tool_call", None),
+            "model": getattr(spec, "model", None), "logprobs": _echoed(out) if echo is not None else out.logprobs,
+            "embedding": out.embedding, "encoding_format": getattr(spec, "encoding_format", None),
+            **_lineage(spec), "engine": engine, "worker": worker, "reused_from": None}
+
+
+def reused(row: dict, spec, shard: int, attempt: int, source_job: str) -> dict:
+    """A stored answer's row (of job source_job) as the answer of `spec` in this shard: the
+    answer, its token counts and who computed it are the original's, the rest the new request's."""
+    return {**row, "id": spec.id, "shard": shard, "attempt": attempt, "model": spec.model,
+            "encoding_format": spec.encoding_format, **_lineage(spec),
+            "reused_from": row.get("reused_from") or source_job}
+
+
+def _lineage(spec) -> dict:
+    return {"line": getattr(spec, "line", None), "request_key": getattr(spec, "key", None)}
 
 
 def _echoed(out: RequestOutput) -> list[dict] | None:
@@ -67,24 +88,25 @@ def _echoed(out: RequestOutput) -> list[dict] | None:
     return [*(out.prompt_logprobs or ()), *out.logprobs]
 
 
-def error_row(request_id: str, error: str, shard: int, attempt: int, choice: int = 0) -> dict:
-    """The row of a request (one choice of it) that failed without output (finish_reason "error")."""
-    return _empty(request_id, choice, FinishReason.ERROR, error, 0.0, shard, attempt)
+def error_row(spec, error: str, shard: int, attempt: int, choice: int = 0) -> dict:
+    """The row of a request (one choice of it; spec: a jobs.spec.RequestSpec) that failed
+    without output (finish_reason "error")."""
+    return _empty(spec, choice, FinishReason.ERROR, error, 0.0, shard, attempt)
 
 
-def cancelled_row(request_id: str, waited_s: float, shard: int, attempt: int, choice: int = 0) -> dict:
+def cancelled_row(spec, waited_s: float, shard: int, attempt: int, choice: int = 0) -> dict:
     """The row of a request (one choice of it) a cancel stopped: it waited waited_s and got nothing."""
-    return _empty(request_id, choice, FinishReason.CANCELLED, None, waited_s, shard, attempt)
+    return _empty(spec, choice, FinishReason.CANCELLED, None, waited_s, shard, attempt)
 
 
 def error_rows(specs, error: str, shard: int, attempt: int) -> list[dict]:
     """An error row for every choice of every request (specs: jobs.spec.RequestSpec)."""
-    return [error_row(spec.id, error, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
+    return [error_row(spec, error, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
 
 
 def cancelled_rows(specs, waited_s: float, shard: int, attempt: int) -> list[dict]:
     """A cancelled row for every choice of every request."""
-    return [cancelled_row(spec.id, waited_s, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
+    return [cancelled_row(spec, waited_s, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
 
 
 def request_outcome(reasons: list[FinishReason]) -> FinishReason:
@@ -107,10 +129,11 @@ def shard_totals(rows: list[dict]) -> dict[str, int]:
             **{name: sum(r[name] or 0 for r in rows) for name in SUMMED_COLUMNS}}
 
 
-def _empty(request_id: str, choice: int, reason: FinishReason, error: str | None, waited_s: float, shard: int,
+def _empty(spec, choice: int, reason: FinishReason, error: str | None, waited_s: float, shard: int,
            attempt: int) -> dict:
-    return {"id": request_id, "choice": choice, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0),
+    return {"id": spec.id, "choice": choice, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0),
             "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
             "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None,
-            "logprobs": None, "embedding": None, "encoding_format": None}
+            "logprobs": None, "embedding": None, "encoding_format": None, **_lineage(spec), "engine": None,
+            "worker": None, "reused_from": None}

@@ -34,15 +34,20 @@ def parse_window(text: str) -> timedelta:
     """A completion window such as "24h", "8h", "30m", "20s" (or "2d") as a timedelta;
     ValueError for anything else: a window of zero, one longer than MAX_WINDOW, spaces,
     digits other than ASCII 0-9. The CLI and the HTTP API both use this one parser."""
-    m = _WINDOW.fullmatch(text) if isinstance(text, str) else None
-    if not m or int(m[1]) == 0:
-        raise ValueError(f"a completion window is a positive whole number of seconds, minutes, hours or "
-                         f"days, such as 24h, 8h, 30m or 20s; got {text!r}")
-    seconds = int(m[1]) * _UNIT_S[m[2]]
+    seconds = parse_duration(text, "a completion window").total_seconds()
     if seconds > MAX_WINDOW.total_seconds():
         raise ValueError(f"a completion window is at most {MAX_WINDOW.days} days "
                          f"({int(MAX_WINDOW.total_seconds() // 3600)}h); got {text!r}")
     return timedelta(seconds=seconds)
+
+
+def parse_duration(text: str, what: str = "a duration") -> timedelta:
+    """A positive whole number of seconds, minutes, hours or days ("30d", "24h", "20s")."""
+    m = _WINDOW.fullmatch(text) if isinstance(text, str) else None
+    if not m or int(m[1]) == 0:
+        raise ValueError(f"{what} is a positive whole number of seconds, minutes, hours or "
+                         f"days, such as 24h, 8h, 30m or 20s; got {text!r}")
+    return timedelta(seconds=int(m[1]) * _UNIT_S[m[2]])
 
 
 def expired_error(window: str | None) -> str:

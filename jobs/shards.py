@@ -46,9 +46,11 @@ def write_shards(lines: Iterable[str], shard_dir: str | Path, shard_size: int) -
 
 
 def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Limits = Limits(), *,
-                       model: str | tuple[str, ...] | None = None) -> tuple[Validation, list[int]]:
+                       model: str | tuple[str, ...] | None = None,
+                       key_of: Callable[[dict], str | None] | None = None) -> tuple[Validation, list[int]]:
     """Validate the input file `path` (against the job's `model`) and shard it, in one
-    streaming pass; returns the validation and the shard sizes.
+    streaming pass; returns the validation and the shard sizes. key_of(line): the request
+    key each shard line gets (jobs.request_key; None: the line has none).
 
     The shards are written into a hidden folder beside shard_dir, renamed to shard_dir
     only once the whole file is valid: InvalidInput (the file has an error) or any other
@@ -61,13 +63,19 @@ def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Lim
     partial = Path(tempfile.mkdtemp(prefix=f".{shard_dir.name}.", suffix=".partial", dir=shard_dir.parent))
     try:
         scan = Scan(path, limits, model=model)
-        sizes = write_shards((_encode(spec.to_dict()) for spec in scan), partial, shard_size)
+        sizes = write_shards((_encode(_keyed(spec.to_dict(), key_of)) for spec in scan), partial, shard_size)
         if not scan.validation.ok:
             raise InvalidInput(scan.validation)
         partial.rename(shard_dir)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return scan.validation, sizes
+
+
+def _keyed(line: dict, key_of) -> dict:
+    if key_of is not None and (key := key_of(line)) is not None:
+        line["key"] = key
+    return line
 
 
 def write_retry_shards(old: JobPaths, num_shards: int, wanted: Callable[[str], bool], shard_dir: str | Path,

@@ -4,8 +4,9 @@ An input file is JSONL, one request a line, either in the pipeline's own format 
 the OpenAI Batch API format; the first request line decides which. Validation is one
 streaming pass that keeps only the ids seen so far, and it reports every bad line with
 its 1-based line number. Valid requests become `RequestSpec`s, whose `to_dict()` is the
-shard-file line of docs/contracts.md (jobs.shards writes them). The checks of single
-fields are in jobs.request_fields.
+shard-file line of docs/contracts.md (jobs.request_spec; jobs.shards writes them). The
+checks of single fields are in jobs.request_fields (and answer_fields, embedding_fields);
+reading the file itself in jobs.input_file.
 
 A job runs one model: an OpenAI line whose body names another model than the job's is
 refused (the job's model as given, or its directory's name, e.g. "Qwen2.5-0.5B-Instruct"
@@ -15,24 +16,26 @@ gpt-4o-mini`, exactly those). Pass those names as `model`, a tuple, instead of t
 from __future__ import annotations
 
 import json
-import os
-import stat
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
-from jobs.atomic import describe_file_type
 from jobs.answer_fields import echo_setting, forced_tool, logprobs_setting, structured_output
 from jobs.embedding_fields import (
     OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
 )
+from jobs.atomic import describe_file_type
+from jobs.input_file import open_regular_file, read_lines
 from jobs.request_fields import (
     DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
     request_inputs, request_timeout, sampling_settings, string, too_deep,
 )
+from jobs.request_spec import RequestSpec   # re-exported: the type every reader of shard lines uses
+
+__all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Validation", "iter_lines",
+           "open_regular_file", "validate"]
 
 _BOM = b"\xef\xbb\xbf"
-_SKIP_CHUNK = 1 << 20
 _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
@@ -58,62 +61,6 @@ class LineError:
 
     def __str__(self) -> str:
         return self.message if self.line is None else f"line {self.line}: {self.message}"
-
-
-@dataclass(slots=True)
-class RequestSpec:
-    """One validated, normalised request (defaults filled in)."""
-    id: str
-    line: int
-    prompt: str | None
-    messages: list[dict] | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    seed: int | None
-    stop: list[str]
-    ignore_eos: bool
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None   # token id (a string, as in JSON) -> bias
-    model: str | None = None
-    timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
-    structured_output: dict | None = None   # the grammar of the answer (pipeline.structured_output)
-    tools: list[dict] | None = None          # a chat request's tools, for its chat template
-    tool_call: str | None = None             # the function whose arguments the answer is (forced)
-    logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
-    n: int = 1                               # result rows: answers wanted, or an embedding request's inputs
-    echo: bool = False                       # completions: the answer's text starts with the prompt
-    # An embedding request (jobs.embedding_fields): its texts or token-id lists, one vector
-    # (result row, `choice` = its index) each; prompt and messages are None, n = len(input).
-    input: list | None = None
-    dimensions: int | None = None            # keep the vectors' first this many components
-    encoding_format: str | None = None       # "base64": OpenAI output gives float32 bytes in base64
-
-    @property
-    def is_embedding(self) -> bool:
-        return self.input is not None
-
-    def to_dict(self) -> dict:
-        """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
-        input gave them (other than their defaults)."""
-        return {name: value for name in _SPEC_FIELDS
-                if (value := getattr(self, name)) != _OPTIONAL_FIELDS.get(name, _REQUIRED)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "RequestSpec":
-        return cls(**d)
-
-
-_SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
-_REQUIRED = object()   # never equal to a value: the fields always written
-# Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
-_OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
-                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
-                    "n": 1, "echo": False, "input": None, "dimensions": None, "encoding_format": None}
 
 
 @dataclass
@@ -197,44 +144,6 @@ def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | 
     return scan.validation
 
 
-def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
-    """Open path for reading if it is a regular file: (file, its stat); else (None, its stat).
-
-    A FIFO or a device is never read: a FIFO blocks its reader until some writer comes and
-    serves one pass only, /dev/zero never ends and has no newline, and their size reads 0.
-    It is looked at before it is opened (opening a device can have effects) and again
-    after (it could have been swapped), without blocking on a FIFO in between.
-    """
-    if not stat.S_ISREG((before := os.stat(path)).st_mode):
-        return None, before
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    opened = os.fstat(fd)
-    if not stat.S_ISREG(opened.st_mode):
-        os.close(fd)
-        return None, opened
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb"), opened
-
-
-def _read_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
-    """Yield (line number, line without its newline), or None for a line over max_bytes.
-
-    readline is bounded, so an over-long line is never held whole: it is skipped in chunks.
-    """
-    with f:
-        number = 0
-        while chunk := f.readline(max_bytes + 1):
-            number += 1
-            if chunk.endswith(b"\n"):
-                yield number, chunk[:-1]
-            elif len(chunk) <= max_bytes:  # the last line, without a newline
-                yield number, chunk
-            else:
-                while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
-                    pass
-                yield number, None
-
-
 class _Reader:
     """One streaming pass over an input file; learns the file's format as it goes."""
 
@@ -263,7 +172,7 @@ class _Reader:
             yield 0, LineError(None, f"the input file is {st.st_size} bytes; the limit is {lim.max_file_bytes} bytes")
             return
         request_lines = 0
-        for number, raw in _read_lines(f, lim.max_line_bytes):
+        for number, raw in read_lines(f, lim.max_line_bytes):
             if raw is not None and not raw.strip():
                 continue
             request_lines += 1
@@ -424,7 +333,8 @@ class _Reader:
         if not isinstance(body, dict):
             problems.append(f"body must be an object, got {describe(body)}")
             return rid, None, {}, {}
-        endpoint = url if url in ENDPOINTS else self.endpoint
+        # The body is read as the file's endpoint asks (a line naming another url is already an error).
+        endpoint = self.endpoint if self.endpoint is not None else url if url in ENDPOINTS else None
         if endpoint is None:  # the url error above already says what is wrong
             return rid, None, {}, {}
         if endpoint == EMBEDDINGS_ENDPOINT:

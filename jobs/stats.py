@@ -17,7 +17,7 @@ _SUCCESSES = pa.array([reason.value for reason in FinishReason if reason.is_succ
 _FAILURES = pa.array([reason.value for reason in FinishReason if reason.is_failure])
 
 _INT_KEYS = ("total_requests", "completed_requests", "failed_requests", *SUMMED_COLUMNS,
-             "constrained_requests", "constrained_valid", "embedding_vectors")
+             "constrained_requests", "constrained_valid", "embedding_vectors", "reused_requests")
 _FLOAT_KEYS = ("prefix_hit_rate", "acceptance_rate", "wall_seconds", "output_tok_s", "total_tok_s", "vectors_s",
                "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95")
 STATS_SCHEMA = pa.schema([("job_id", pa.string())]
@@ -38,30 +38,37 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     is the share of speculative draft tokens accepted (None when nothing was drafted).
     constrained_requests counts the structured-output answers, constrained_valid those
     complete under their grammar. embedding_vectors counts the vectors made (an embedding
-    request's inputs; its prompt tokens are the inputs' tokens). Throughputs are None unless
-    wall_seconds > 0.
+    request's inputs; its prompt tokens are the inputs' tokens). reused_requests counts the
+    requests answered from earlier jobs' results (jobs.reuse): the token totals include their
+    tokens, but throughputs and percentiles are over the rows computed for this job only, so
+    they stay what the engine did. Throughputs are None unless wall_seconds > 0.
     """
     table = read_results(results_dir, columns=["id", "choice", *SUMMED_COLUMNS, "finish_reason", "ttft_s",
-                                               "latency_s", "valid", "embedding"])
+                                               "latency_s", "valid", "embedding", "reused_from"])
     reason = table["finish_reason"]
     ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
     failed = pc.is_in(reason, value_set=_FAILURES)
+    computed = pc.is_null(table["reused_from"])
     sums = {name: _sum(table[name]) for name in SUMMED_COLUMNS}
-    prompt_tokens, output_tokens = sums["prompt_tokens"], sums["output_tokens"]
+    prompt_tokens = sums["prompt_tokens"]
     cached_tokens, draft_tokens, accepted_tokens = sums["cached_tokens"], sums["draft_tokens"], sums["accepted_tokens"]
-    latency = _percentiles(table["latency_s"].filter(ok), (50, 95, 99))
-    ttft = _percentiles(table["ttft_s"].filter(ok), (50, 95))
+    computed_prompt, computed_output = (_sum(table[name].filter(computed)) for name in ("prompt_tokens", "output_tokens"))
+    computed_ok = pc.and_(ok, computed)
+    latency = _percentiles(table["latency_s"].filter(computed_ok), (50, 95, 99))
+    ttft = _percentiles(table["ttft_s"].filter(computed_ok), (50, 95))
+    vectors = pc.count(table["embedding"].filter(computed)).as_py() or 0
     return {
         **_request_counts(table, ok, failed),
         **sums,
         "constrained_requests": pc.count(table["valid"]).as_py() or 0,   # nulls (free text) not counted
         "constrained_valid": pc.sum(table["valid"]).as_py() or 0,
-        "embedding_vectors": (vectors := pc.count(table["embedding"]).as_py() or 0),
+        "embedding_vectors": pc.count(table["embedding"]).as_py() or 0,
+        "reused_requests": pc.count_distinct(table["id"].filter(pc.invert(computed))).as_py() or 0,
         "prefix_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
         "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
         "wall_seconds": float(wall_seconds),
-        "output_tok_s": _per_second(output_tokens, wall_seconds),
-        "total_tok_s": _per_second(prompt_tokens + output_tokens, wall_seconds),
+        "output_tok_s": _per_second(computed_output, wall_seconds),
+        "total_tok_s": _per_second(computed_prompt + computed_output, wall_seconds),
         "vectors_s": _per_second(vectors, wall_seconds) if vectors else None,
         "latency_p50": latency[0], "latency_p95": latency[1], "latency_p99": latency[2],
         "ttft_p50": ttft[0], "ttft_p95": ttft[1],

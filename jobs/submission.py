@@ -18,6 +18,7 @@ from jobs import ledger, spec
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.request_fields import EMBEDDINGS_ENDPOINT
+from jobs.request_key import engine_fingerprint, request_key
 from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.shards import check_shard_size, read_shard, write_input_shards, write_retry_shards
 from jobs.states import JobStatus
@@ -84,18 +85,22 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
                 queue: str | None = None, endpoint: str | None = None,
-                served_names: tuple[str, ...] = ()) -> tuple[str, list[int]]:
+                served_names: tuple[str, ...] = (), reuse: bool = True) -> tuple[str, list[int]]:
     check_shard_size(shard_size)
     job_paths = JobPaths(root, job_id)
     try:
+        # Every deterministic line gets its answer's key (the lineage of its rows; with reuse,
+        # what its shard looks up first: jobs.reuse).
+        engine = engine_fingerprint(engine_options)
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
-                                                     model=tuple(served_names) or model)
+                                                     model=tuple(served_names) or model,
+                                                     key_of=lambda line: request_key(line, engine))
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):
             raise EndpointMismatch(validation.endpoint or "generation (the pipeline format)", endpoint)
-        _check_model_can_answer(validation, engine_options.get("model"))
+        check_model_can_answer(validation, engine_options.get("model"))
         check_capacity(Session, validation.num_requests, max_queued_requests)
         with Session() as s:
             ledger.create_job(
@@ -105,14 +110,14 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 input_path=str(Path(path).resolve()), results_path=str(job_paths.results_dir),
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
                 completion_window=completion_window, api_key_id=api_key_id, priority=priority,
-                request_timeout_s=request_timeout_s, queue=queue)
+                request_timeout_s=request_timeout_s, queue=queue, reuse=reuse, engine_fingerprint=engine)
     except BaseException:
         _remove_unmade(job_paths)
         raise
     return job_id, shard_sizes
 
 
-def _check_model_can_answer(validation: spec.Validation, model: str | None) -> None:
+def check_model_can_answer(validation: spec.Validation, model: str | None) -> None:
     """An encoder only embeds: a generation file for one is refused whole (InvalidInput), not
     failed line by line on a worker."""
     if validation.endpoint != EMBEDDINGS_ENDPOINT and model and is_encoder(Path(model)):
@@ -226,6 +231,7 @@ def create_retry_job(
                 results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
                 completion_window=completion_window or old.completion_window, api_key_id=old.api_key_id,
                 priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
+                reuse=old.reuse, engine_fingerprint=old.engine_fingerprint,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         _remove_unmade(new_paths)

@@ -31,6 +31,7 @@ from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.results import write_shard_tmp
+from jobs.reuse import answers_of, stored_answers
 from jobs.scheduling import expired_error
 from jobs.shards import read_shard
 from jobs.spec import RequestSpec
@@ -110,10 +111,14 @@ def run_shard(
         return _fail_unreadable(Session, root, job_id, index, attempt, e, last_attempt)
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
+        reused = _reused_rows(Session, root, job, specs, index, attempt, on_result)
+        to_run = [spec for spec in specs if spec.id not in reused]
         try:
-            with engine_provider(job.engine_options) as engine:
-                rows, cancelled, interrupted = _generate(Session, job, engine, specs, index, attempt,
-                                                         lease, on_result)
+            rows, cancelled, interrupted = [], False, False
+            if to_run:   # a shard answered whole from stored answers needs no engine
+                with engine_provider(job.engine_options) as engine:
+                    rows, cancelled, interrupted = _generate(Session, job, engine, to_run, index, attempt,
+                                                             lease, on_result, worker_name)
             status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED
         except Exception as e:
             if not last_attempt:
@@ -121,7 +126,8 @@ def run_shard(
                 raise
             log.exception("shard %s/%d failed on its last attempt", job_id, index)
             error = f"the shard failed {max_attempts} times; last error: {type(e).__name__}: {e}"
-            rows, status = result_row.error_rows(specs, error, index, attempt), ShardStatus.FAILED
+            rows, status = result_row.error_rows(to_run, error, index, attempt), ShardStatus.FAILED
+        rows = _in_input_order(specs, reused, rows)
         if lease.lost.is_set():
             return ShardOutcome.LOST
         if status == ShardStatus.COMPLETED and interrupted and _shutdown.is_set():
@@ -130,7 +136,7 @@ def run_shard(
                 released = ledger.release_shard(s, job_id, index, attempt)
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
-        if not _commit(Session, paths, job_id, index, attempt, rows, status):
+        if not _commit(Session, paths, job_id, index, attempt, rows, status, answers=answers_of(specs, rows)):
             return ShardOutcome.LOST
         metrics.count_results(rows, job.model)
     finally:
@@ -211,7 +217,31 @@ def _note_error(Session, job_id: str, index: int, attempt: int, error: str) -> N
         log.warning("recording the error of %s/%d failed", job_id, index, exc_info=True)
 
 
-def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
+def _reused_rows(Session, root, job, specs, index, attempt, on_result) -> dict[str, list[dict]]:
+    """The rows of the requests answered from stored answers (jobs.reuse), by id; none when
+    the job was submitted with --no-reuse."""
+    if not job.reuse:
+        return {}
+    rows = {}
+    answers = stored_answers(Session, root, job.id, specs)
+    for spec in specs:
+        if spec.id in answers:
+            source, stored = answers[spec.id]
+            rows[spec.id] = [result_row.reused(row, spec, index, attempt, source) for row in stored]
+            for row in rows[spec.id]:
+                _notify(on_result, row)
+    return rows
+
+
+def _in_input_order(specs, reused: dict[str, list[dict]], computed: list[dict]) -> list[dict]:
+    """Every row of the shard in input order: a request's reused rows or its computed ones."""
+    by_id: dict[str, list[dict]] = {}
+    for row in computed:
+        by_id.setdefault(row["id"], []).append(row)
+    return [row for spec in specs for row in (reused.get(spec.id) or by_id.get(spec.id, ()))]
+
+
+def _generate(Session, job, engine, specs, index, attempt, lease, on_result, worker_name=None):
     """Result rows in input order (a request's choices in order), whether generation stopped because of a cancel or the
     job's expiry, and whether it stopped early for another reason (a lost lease,
     request_shutdown). The requests an expiry left unfinished get error rows
@@ -239,33 +269,32 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result):
         for out in engine.generate(requests, should_stop=stop):
             spec, choice = answers[out.id]
             out.id, out.choice = spec.id, choice + out.choice
-            row = result_row.from_output(out, index, attempt, tool_call=spec.tool_call, model=spec.model,
-                                         echo=spec.prompt if spec.echo else None,
-                                         encoding_format=spec.encoding_format)
+            row = result_row.from_output(out, index, attempt, spec, worker=worker_name, engine=job.engine_fingerprint)
             rows[out.id, out.choice] = row
             _notify(on_result, row)
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
     # shutdown (both never committed).
-    keys = [(spec.id, choice) for spec in specs for choice in range(spec.n)]
+    keys = [(spec, choice) for spec in specs for choice in range(spec.n)]
     interrupted = len(rows) < len(keys)
     waited = time.perf_counter() - start
-    for request_id, choice in keys:
-        if (request_id, choice) not in rows:
+    for spec, choice in keys:
+        if (spec.id, choice) not in rows:
             if cancel.reason == "expired":
-                row = result_row.error_row(request_id, expired_error(job.completion_window), index, attempt, choice)
+                row = result_row.error_row(spec, expired_error(job.completion_window), index, attempt, choice)
             else:   # it waited from the shard's start until the cancel, and got nothing
-                row = result_row.cancelled_row(request_id, waited, index, attempt, choice)
-            rows[request_id, choice] = row
+                row = result_row.cancelled_row(spec, waited, index, attempt, choice)
+            rows[spec.id, choice] = row
             _notify(on_result, row)
-    return [rows[key] for key in keys], cancel.seen, interrupted
+    return [rows[spec.id, choice] for spec, choice in keys], cancel.seen, interrupted
 
 
-def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None) -> bool:
+def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None, answers=()) -> bool:
     tmp = tmp or paths.tmp_result(index, attempt)
     write_shard_tmp(rows, tmp)
     with Session() as s:
         return ledger.commit_shard(s, job_id, index, attempt, totals=result_row.shard_totals(rows),
-                                   tmp_path=tmp, final_path=paths.result_shard(index), status=status)
+                                   tmp_path=tmp, final_path=paths.result_shard(index), status=status,
+                                   answers=answers)
 
 
 def _notify(on_result, row: dict) -> None:

@@ -30,9 +30,11 @@ The package: models (tables, JobStatus, ShardStatus), database (engines, session
 migrations), job_states (the job state machine), shard_leases (claim, renew, release,
 commit, fail), recovery_queries (the reaper's and reconciler's steps), conditional (the
 conditional UPDATE they all use), progress_queries (read-only counts for monitoring),
-api_keys and files (the HTTP API's keys and files).
+api_keys and files (the HTTP API's keys and files), answers (the index of stored answers
+that later jobs reuse).
 Callers import from `jobs.ledger` itself.
 """
+from jobs.ledger.answers import add_answers, delete_answers, find_answers
 from jobs.ledger.api_keys import KeyNameTaken, add_key, find_key, list_keys, revoke_key
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
@@ -41,7 +43,7 @@ from jobs.ledger.job_states import (
 )
 from jobs.ledger.files import add_file, delete_file, files_of_job, get_file, list_files
 from jobs.ledger.models import (
-    INPUT_FORMATS, STATS_COLUMNS, ApiKey, Base, File, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
+    INPUT_FORMATS, STATS_COLUMNS, Answer, ApiKey, Base, File, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
 )
 from jobs.ledger.progress_queries import jobs_by_status, live_engine_keys, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
@@ -53,7 +55,7 @@ from jobs.ledger.shard_leases import (
 )
 
 __all__ = [
-    "ApiKey", "Base", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
+    "Answer", "ApiKey", "Base", "add_answers", "delete_answers", "find_answers", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
     "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "cancel_orphaned_shards", "claim_shard",
     "commit_shard", "count_error_rows", "create_job", "delete_file", "ensure_schema", "expire_if_due", "expired_shards", "fail_shard", "files_of_job",
     "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",

@@ -1,11 +1,12 @@
-"""The ledger's tables (jobs, shards) and the states their rows move through."""
+"""The ledger's tables (jobs, shards, stored answers) and the states their rows move through."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
 from sqlalchemy import (
-    JSON, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, TypeDecorator,
+    JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, TypeDecorator,
 )
+from sqlalchemy import true as sa_true
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from jobs.states import JobStatus, ShardStatus  # noqa: F401  (the states of these rows)
@@ -16,7 +17,7 @@ INPUT_FORMATS = ("pipeline", "openai")
 STATS_COLUMNS = (
     "completed_requests", "failed_requests", "prompt_tokens", "output_tokens", "cached_tokens",
     "prefix_hit_rate", "draft_tokens", "accepted_tokens", "acceptance_rate",
-    "constrained_requests", "constrained_valid", "embedding_vectors",
+    "constrained_requests", "constrained_valid", "embedding_vectors", "reused_requests",
     "wall_seconds", "output_tok_s", "total_tok_s", "vectors_s",
     "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
 )
@@ -80,6 +81,11 @@ class Job(Base):
     # The timeout of a request line that gives no timeout_s of its own (None: no timeout).
     # Copied to retries; enforced by the engine per request (pipeline.request.Request.timeout_s).
     request_timeout_s: Mapped[float | None] = mapped_column(Float)
+    # Answer reuse (jobs.reuse): whether its requests may take stored answers (--no-reuse: not),
+    # and the fingerprint of the engine that answers them (the model's files and the options
+    # that change answers), in every request key and every result row.
+    reuse: Mapped[bool] = mapped_column(Boolean, default=True, server_default=sa_true())
+    engine_fingerprint: Mapped[str | None] = mapped_column(String)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -102,6 +108,7 @@ class Job(Base):
     constrained_requests: Mapped[int] = mapped_column(Integer, default=0)
     constrained_valid: Mapped[int] = mapped_column(Integer, default=0)
     embedding_vectors: Mapped[int] = mapped_column(Integer, default=0)   # an embedding job's vectors
+    reused_requests: Mapped[int] = mapped_column(Integer, default=0)     # answered from earlier jobs' results
     vectors_s: Mapped[float | None] = mapped_column(Float)               # ... per second of wall time
     wall_seconds: Mapped[float | None] = mapped_column(Float)
     output_tok_s: Mapped[float | None] = mapped_column(Float)
@@ -139,6 +146,20 @@ class Shard(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class Answer(Base):
+    """A stored successful answer: the request `request_id` of `job_id` (in its result shard
+    `shard`), under the request's key (jobs.request_key). Written in the transaction that
+    commits the shard; removed with the job's results (`pipeline gc`). Several jobs may hold
+    one key: a reuse takes the newest whose results still exist."""
+    __tablename__ = "answers"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    key: Mapped[str] = mapped_column(String, index=True)
+    shard: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class ApiKey(Base):

@@ -9,6 +9,7 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from jobs.atomic import replace_durably
+from jobs.ledger.answers import add_answers
 from jobs.ledger.conditional import commit_if_won, execute, held
 from jobs.ledger.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from jobs.result_row import SHARD_TOTALS
@@ -65,13 +66,15 @@ def release_shard(s: Session, job_id: str, index: int, attempt: int) -> bool:
 
 def commit_shard(
     s: Session, job_id: str, index: int, attempt: int, *, totals: dict[str, int], tmp_path: str | os.PathLike,
-    final_path: str | os.PathLike, status: str = ShardStatus.COMPLETED,
+    final_path: str | os.PathLike, status: str = ShardStatus.COMPLETED, answers: list[tuple[str, str]] = (),
 ) -> bool:
     """Publish an attempt's results: fenced ledger update and file rename in one transaction.
 
     status is "completed", "cancelled" (a partial shard of a cancelled job) or "failed"
     (error rows of an exhausted shard). totals (jobs.result_row.shard_totals: the
-    SHARD_TOTALS of its rows) are set on the shard and added to the job. A stale attempt never commits: it gets False and
+    SHARD_TOTALS of its rows) are set on the shard and added to the job; answers, (request key,
+    request id) of its reusable successful requests, are indexed (ledger.answers) in the same
+    transaction. A stale attempt never commits: it gets False and
     its tmp file is deleted. If the database commit fails after the rename, the shard
     stays running and a later attempt overwrites the file, so results stay consistent.
     """
@@ -93,6 +96,7 @@ def commit_shard(
         # Running totals on the job row, so progress needs no aggregation.
         execute(s, update(Job).where(Job.id == job_id).values(
             **{k: getattr(Job, k) + v for k, v in counts.items()}))
+        add_answers(s, job_id, index, answers)
         replace_durably(tmp_path, final_path)
     except BaseException:
         s.rollback()

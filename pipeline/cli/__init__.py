@@ -1,7 +1,7 @@
 """The `pipeline` command line: one click group over thin commands; heavy imports inside them.
 
 job_commands (submit, run, retry, resume, cancel), query_commands (status, list, results),
-ops_commands (worker, recover, metrics, db upgrade, bench), api_commands (serve, keys), options (the settings and engine
+ops_commands (worker, recover, metrics, db upgrade, gc, bench), api_commands (serve, keys), options (the settings and engine
 option bundles), render (what they print), errors (exit codes).
 """
 from __future__ import annotations
@@ -69,6 +69,7 @@ for command in (job_commands.submit_command, job_commands.run_command, job_comma
                 job_commands.retry_command,
                 ops_commands.recover_command, query_commands.status_command, query_commands.list_command,
                 query_commands.results_command, job_commands.cancel_command, ops_commands.worker_command,
-                ops_commands.metrics_command, ops_commands.db_group, ops_commands.bench_command,
+                ops_commands.metrics_command, ops_commands.db_group, ops_commands.gc_command,
+                ops_commands.bench_command,
                 api_commands.serve_command, api_commands.keys_group):
     main.add_command(command)

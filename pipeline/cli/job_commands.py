@@ -13,6 +13,7 @@ from pipeline.cli import render
 from pipeline.cli.errors import (
     EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail,
 )
+from pipeline.cli.dry_run import report_dry_run
 from pipeline.cli.options import FiniteFloat, engine_options, settings_options
 from pipeline.cli.running import run_here, wait_until_completed
 
@@ -58,6 +59,22 @@ SERVED_MODEL_NAME = click.option(
          "each line used.  [default: the model as given, or its directory's name]")
 
 
+NO_REUSE = click.option(
+    "--no-reuse", is_flag=True,
+    help="Compute every request, even those whose answer an earlier job already holds. By default a "
+         "deterministic request (greedy, seeded or an embedding) on the same engine and model files is "
+         "answered from that job's results (the row's reused_from names it).")
+
+
+DRY_RUN = click.option(
+    "--dry-run", is_flag=True,
+    help="Create nothing: validate and tokenize FILE, then say what the job would do: its lines, prompt "
+         "tokens (in all, at most), lines too long for the model, requests an earlier job would answer, "
+         "the output-token ceiling (max_tokens over every choice) and a duration estimated from the "
+         "recent jobs of the same engine (or that there is no history). Exit 2 for a bad file.")
+JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-run: one JSON object.")
+
+
 @click.command("submit")
 @click.argument("file", type=INPUT_FILE)
 @engine_options
@@ -70,19 +87,25 @@ SERVED_MODEL_NAME = click.option(
                    "instead of refusing the job (exit 4).")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
 @SERVED_MODEL_NAME
+@NO_REUSE
+@DRY_RUN
+@JSON_OUTPUT
 @settings_options("broker_url", "max_queued_requests")
 def submit_command(file, engine_options, shard_size, priority, completion_window, request_timeout,
-                   wait_for_capacity, wait, served_model_names, settings):
+                   wait_for_capacity, wait, served_model_names, no_reuse, dry_run, as_json, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
     With PIPELINE_MAX_QUEUED_REQUESTS set, a job that would queue more requests than that
     is refused (exit 4, nothing created) or, with --wait-for-capacity, waits for room.
     """
+    if dry_run:
+        check_model(engine_options.get("model"))
+        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json)
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
                       request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
-                      queue=settings.queue, served_names=tuple(served_model_names))
+                      queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse)
     job = _submit(Session, settings, lambda: _create_job(Session, settings, file, engine_options, shard_size,
                                                          scheduling, wait_for_capacity=wait_for_capacity))
     click.echo(job.id)
@@ -96,8 +119,12 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @REQUEST_TIMEOUT
 @SERVED_MODEL_NAME
+@NO_REUSE
+@DRY_RUN
+@JSON_OUTPUT
 @settings_options("shards_in_flight", "metrics_port")
-def run_command(file, engine_options, shard_size, request_timeout, served_model_names, settings):
+def run_command(file, engine_options, shard_size, request_timeout, served_model_names, no_reuse, dry_run, as_json,
+                settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -105,10 +132,14 @@ def run_command(file, engine_options, shard_size, request_timeout, served_model_
     cancelled (`pipeline retry JOB --local` runs the rest); a job whose process died
     (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
     """
+    if dry_run:
+        check_model(engine_options.get("model"))
+        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json)
     serve_metrics(settings)
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
-                                dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names)))
+                                dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names),
+                                     reuse=not no_reuse))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
     run_here(Session, settings, job_id, engine_options)
 

@@ -1,4 +1,4 @@
-"""Commands that run the machinery: worker, recover, metrics, db upgrade, bench."""
+"""Commands that run the machinery: worker, recover, metrics, db upgrade, gc, bench."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from pipeline.cli.job_commands import check_broker, serve_metrics
+from pipeline.cli.job_commands import check_broker, serve_metrics, sessions
 from pipeline.cli.options import engine_options, served_engine_options, settings_options
 
 
@@ -159,13 +159,39 @@ def db_upgrade_command(settings):
     click.echo("the ledger schema is up to date")
 
 
+def _age(ctx, param, value):
+    from jobs.scheduling import parse_duration
+    try:
+        return parse_duration(value, "an age")
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command("gc")
+@click.option("--older-than", required=True, callback=_age, metavar="AGE",
+              help="Delete the results of jobs that ended longer ago than this, e.g. 30d, 12h.")
+@settings_options()
+def gc_command(older_than, settings):
+    """Delete old jobs' results and stats, and the index of their answers with them.
+
+    Their ledger rows stay. Later jobs never take answers from deleted results: their
+    requests are computed again. Prints the ids of the jobs whose results went, one a line.
+    """
+    from jobs.retention import collect_garbage
+
+    deleted = collect_garbage(sessions(settings), settings.data_dir, older_than)
+    for job_id in deleted:
+        click.echo(job_id)
+    click.echo(f"deleted the results of {len(deleted)} job(s)", err=True)
+
+
 @click.command("bench")
 @click.argument("requests", type=click.Path(exists=True, dir_okay=False))
 @engine_options
 def bench_command(requests, engine_options):
     """Time a workload file through the engine; prints one JSON line."""
     from jobs.atomic import describe_file_type
-    from jobs.spec import open_regular_file
+    from jobs.input_file import open_regular_file
     from pipeline.cli.bench import run_bench
     from pipeline.config import EngineConfig
 

@@ -69,7 +69,8 @@ def print_summary(job) -> None:
     cancelled = job.total_requests - job.completed_requests - job.failed_requests
     click.echo(f"job {job.id}: {job.status}")
     click.echo(f"  requests: {job.completed_requests} completed, {job.failed_requests} failed"
-               + (f", {cancelled} not run" if cancelled else "") + f" of {job.total_requests}")
+               + (f", {cancelled} not run" if cancelled else "") + f" of {job.total_requests}"
+               + (f" ({job.reused_requests} answered from earlier jobs)" if job.reused_requests else ""))
     if job.vectors_s is not None:
         click.echo(f"  throughput: {job.vectors_s:.1f} vectors/s, {job.total_tok_s:.1f} input tok/s "
                    f"over {job.wall_seconds:.1f} s")
@@ -138,7 +139,8 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
     rows = [("status", status), ("model", job.model), ("engine", job.engine_key or "-"),
             ("input", job.input_path), ("results", job.results_path),
             ("requests", f"{job.completed_requests} completed, {job.failed_requests} failed, "
-                         f"{job.total_requests} total"),
+                         f"{job.total_requests} total"
+                         + (f", {job.reused_requests} answered from earlier jobs" if job.reused_requests else "")),
             ("shards", ", ".join(f"{n} {st}" for st, n in sorted(counts["shards"].items()))),
             ("tokens", f"{job.prompt_tokens} prompt ({job.cached_tokens or 0} from the prefix cache), "
                        f"{job.output_tokens} output"

@@ -11,7 +11,6 @@ normalisation come from the directory's sentence-transformers files (mean by def
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 
@@ -22,7 +21,9 @@ from pipeline.config import EngineConfig
 from pipeline.device import resolve_device, resolve_dtype
 from pipeline.engine.generation import generate
 from pipeline.models.loader import load_tokenizer, read_hf_config, resolve_model_dir
+from pipeline.models.model_dir import context_length
 from pipeline.models.pooling_config import read_pooling_config
+from pipeline.prompts import prompt_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
 
 MIN_BATCH_TOKENS = 4096   # a padded batch smaller than this leaves the CPU's matrix units idle
@@ -59,8 +60,7 @@ class EncoderEngine:
         self.model = AutoModel.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
         self.pooling = read_pooling_config(self.model_dir, decoder=False)
         self.hidden_size = hf_config["hidden_size"]
-        self.max_model_len = min(config.max_model_len or _max_seq_length(self.model_dir, hf_config),
-                                 hf_config.get("max_position_embeddings", 512))
+        self.max_model_len = context_length(self.model_dir, config.max_model_len)
         self.max_num_seqs = config.max_num_seqs or 256
         self.batch_tokens = max(config.max_num_batched_tokens, MIN_BATCH_TOKENS, self.max_model_len)
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -81,11 +81,9 @@ class EncoderEngine:
         return generate(self, requests, should_stop)
 
     def tokenize(self, request: Request) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.prompt is None:
+        if request.messages is not None:
             raise ValueError("an encoder embeds text (prompt) or token ids, not chat messages")
-        return self.tokenizer.encode(request.prompt)
+        return prompt_token_ids(self.tokenizer, prompt=request.prompt, token_ids=request.prompt_token_ids)
 
     def add_request(self, request: Request) -> list[RequestOutput]:
         arrival = time.perf_counter()
@@ -148,16 +146,6 @@ class EncoderEngine:
             rows = [F.normalize(row, dim=0) for row in rows]
         values = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).tolist()   # one transfer
         return [v[:row.shape[0]] for v, row in zip(values, rows)]
-
-
-def _max_seq_length(model_dir, hf_config: dict) -> int:
-    """The input length the model's authors chose (sentence-transformers' max_seq_length), else its positions."""
-    config = model_dir / "sentence_bert_config.json"
-    if config.is_file():
-        value = json.loads(config.read_text()).get("max_seq_length")
-        if value:
-            return int(value)
-    return hf_config.get("max_position_embeddings", 512)
 
 
 def _output(request: Request, arrival: float, *, prompt_tokens: int = 0, embedding=None, error: str | None = None,

@@ -35,6 +35,7 @@ from pipeline.layers.quantization import quantize
 from pipeline.layers.sampler import Sampler, token_logprobs
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
+from pipeline.prompts import prompt_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
 
 
@@ -104,13 +105,8 @@ class Engine:
         return ids
 
     def tokenize(self, request: Request) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(request.prompt)
+        return prompt_token_ids(self.tokenizer, prompt=request.prompt, messages=request.messages, tools=request.tools,
+                                token_ids=request.prompt_token_ids)
 
     def generate(self, requests: Iterable[Request],
                  should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:

@@ -26,9 +26,27 @@ def offline() -> None:
 
 
 def is_encoder(model_dir: Path) -> bool:
-    """Whether the model directory holds an encoder (embeddings only), by its config's architecture."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    """Whether the model directory holds an encoder (embeddings only), by its config's architecture;
+    False when it has no readable config here (a directory only the workers have)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
     return (config.get("architectures") or ["?"])[0] in ENCODER_ARCHITECTURES
+
+
+def context_length(model_dir: Path, max_model_len: int | None = None) -> int:
+    """The most tokens a request may hold on this model (EngineConfig.max_model_len caps it): a
+    decoder's positions; an encoder's sentence-transformers max_seq_length, the input length its
+    authors chose, within its positions."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    positions = config.get("max_position_embeddings", 512 if is_encoder(model_dir) else 2048)
+    chosen = positions
+    st_config = model_dir / "sentence_bert_config.json"
+    if is_encoder(model_dir) and st_config.is_file():
+        chosen = json.loads(st_config.read_text()).get("max_seq_length") or positions
+    return min(max_model_len or chosen, chosen, positions)
 
 
 def is_bundled(model: str | None) -> bool:

@@ -314,7 +314,7 @@ def bad_body(custom_id, **changes):
 # (line, what the message must say) after GOOD on line 1
 BAD_LINES = {
     "wrong method": (bad("m", method="GET"), "method must be \"POST\""),
-    "unknown url": (bad("u", url="/v1/embeddings"), "unknown url"),
+    "unknown url": (bad("u", url="/v1/moderations"), "unknown url"),
     "missing body": (bad("b", body=...), "missing body"),
     "duplicate custom_id": (bad("a"), "duplicate id 'a' (first on line 1)"),
     "logprobs": (bad_body("l", logprobs=True, top_logprobs=21), "top_logprobs must be between 0 and 20"),

@@ -49,6 +49,7 @@ def test_compute_stats_on_known_numbers(jp):
         "draft_tokens": 800, "accepted_tokens": 600, "acceptance_rate": 0.75,
         "constrained_requests": 0, "constrained_valid": 0,   # no structured-output rows here
         "embedding_vectors": 0, "vectors_s": None,             # nor embeddings
+        "reused_requests": 0,                                  # nor reused answers
         "output_tok_s": 200.5, "total_tok_s": 302.5,
         # numpy's linear interpolation over 1..100: error and cancelled rows are excluded.
         "latency_p50": 50.5, "latency_p95": 95.05, "latency_p99": 99.01,

@@ -1,0 +1,46 @@
+"""Reading an input file: regular files only, and its lines bounded in length, streamed."""
+from __future__ import annotations
+
+import os
+import stat
+from typing import BinaryIO, Iterator
+
+_SKIP_CHUNK = 1 << 20
+
+
+def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
+    """Open path for reading if it is a regular file: (file, its stat); else (None, its stat).
+
+    A FIFO or a device is never read: a FIFO blocks its reader until some writer comes and
+    serves one pass only, /dev/zero never ends and has no newline, and their size reads 0.
+    It is looked at before it is opened (opening a device can have effects) and again
+    after (it could have been swapped), without blocking on a FIFO in between.
+    """
+    if not stat.S_ISREG((before := os.stat(path)).st_mode):
+        return None, before
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        os.close(fd)
+        return None, opened
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), opened
+
+
+def read_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """Yield (line number, line without its newline), or None for a line over max_bytes.
+
+    readline is bounded, so an over-long line is never held whole: it is skipped in chunks.
+    """
+    with f:
+        number = 0
+        while chunk := f.readline(max_bytes + 1):
+            number += 1
+            if chunk.endswith(b"\n"):
+                yield number, chunk[:-1]
+            elif len(chunk) <= max_bytes:  # the last line, without a newline
+                yield number, chunk
+            else:
+                while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+                    pass
+                yield number, None

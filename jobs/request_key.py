@@ -1,0 +1,62 @@
+"""A request's key: a digest of everything that decides its answer, so that a later job can
+take a stored answer instead of computing it again (jobs.reuse).
+
+What goes in:
+* the engine's fingerprint: the model by content (pipeline.models.fingerprint: weights,
+  config, tokenizer and chat template, wherever the directory lies) and every engine option
+  that changes answers (pipeline.engine_key.identity: dtype, quantization, KV-cache dtype,
+  context length, speculative decoding);
+* the request's shard line (RequestSpec.to_dict) without what does not change the answer:
+  its id and line number, the model name it used, its timeout (only a success is stored)
+  and an embedding's output encoding. The prompt is its text and messages (and tools)
+  rather than its tokens: the fingerprint fixes the tokenizer and the chat template, which
+  make the tokens from them, so the same text gives the same tokens. Every sampling and
+  output setting is in the line, defaults left out, so a field added later with a default
+  keeps the keys of older lines.
+Only deterministic requests have a key: greedy (temperature 0), sampled with a seed, or an
+embedding. Unseeded sampling has none: its point is to differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pipeline.engine_key import identity
+from pipeline.models.fingerprint import model_fingerprint
+
+NOT_IN_KEY = frozenset({"id", "line", "model", "timeout_s", "encoding_format", "key"})
+_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode
+
+
+def engine_fingerprint(engine_options: dict) -> str | None:
+    """The engine's identity with the model by content (32 hex digits); None when the model's
+    files cannot be read here (a job for a directory only its workers have: nothing is keyed)."""
+    ident = identity(engine_options)
+    model = ident.pop("model")
+    try:
+        if model is None:
+            from pipeline.models.bundled import bundled_model_dir
+            model_dir = bundled_model_dir()
+        else:
+            model_dir = Path(model)
+        if not (model_dir / "config.json").is_file():
+            return None
+        ident["model_files"] = model_fingerprint(model_dir)
+    except (OSError, RuntimeError):   # RuntimeError: the bundled model's package is not installed
+        return None
+    return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def is_deterministic(line: dict) -> bool:
+    """Whether a shard line's answer is the same every time it is computed."""
+    return line.get("input") is not None or line["temperature"] == 0 or line["seed"] is not None
+
+
+def request_key(line: dict, engine: str | None) -> str | None:
+    """The key of a shard line (RequestSpec.to_dict()) on the engine of that fingerprint;
+    None when its answer is not deterministic (or the engine has no fingerprint)."""
+    if engine is None or not is_deterministic(line):
+        return None
+    body = {k: v for k, v in line.items() if k not in NOT_IN_KEY}
+    return hashlib.blake2b((engine + _encode(body)).encode(), digest_size=16).hexdigest()

@@ -1,0 +1,62 @@
+"""RequestSpec: one validated, normalised request, and its shard-file line (docs/contracts.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One validated, normalised request (defaults filled in)."""
+    id: str
+    line: int
+    prompt: str | None
+    messages: list[dict] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None   # token id (a string, as in JSON) -> bias
+    model: str | None = None
+    timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
+    structured_output: dict | None = None   # the grammar of the answer (pipeline.structured_output)
+    tools: list[dict] | None = None          # a chat request's tools, for its chat template
+    tool_call: str | None = None             # the function whose arguments the answer is (forced)
+    logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
+    n: int = 1                               # result rows: answers wanted, or an embedding request's inputs
+    echo: bool = False                       # completions: the answer's text starts with the prompt
+    # An embedding request (jobs.embedding_fields): its texts or token-id lists, one vector
+    # (result row, `choice` = its index) each; prompt and messages are None, n = len(input).
+    input: list | None = None
+    dimensions: int | None = None            # keep the vectors' first this many components
+    encoding_format: str | None = None       # "base64": OpenAI output gives float32 bytes in base64
+    key: str | None = None                   # its answer's identity (jobs.request_key); None: not deterministic
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.input is not None
+
+    def to_dict(self) -> dict:
+        """The shard-file line of docs/contracts.md; the _OPTIONAL_FIELDS only when the
+        input gave them (other than their defaults)."""
+        return {name: value for name in _SPEC_FIELDS
+                if (value := getattr(self, name)) != _OPTIONAL_FIELDS.get(name, _REQUIRED)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RequestSpec":
+        return cls(**d)
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
+_REQUIRED = object()   # never equal to a value: the fields always written
+# Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
+_OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
+                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
+                    "n": 1, "echo": False, "input": None, "dimensions": None, "encoding_format": None,
+                    "key": None}
