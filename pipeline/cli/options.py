@@ -89,8 +89,8 @@ _ENGINE_OPTIONS = {
     "device": dict(type=click.Choice(DEVICES)),
     "quantization": dict(type=click.Choice(QUANTIZATIONS),
                          help="int8 (LLM.int8), nf4: bitsandbytes (any device). w8a8: CPU only, int8 weights "
-                              "and int8 activations per token on fbgemm: faster than float32, perplexity "
-                              "+3.5% on the bundled model (README, Quantization)  [default: none]"),
+                              "and int8 activations per token on fbgemm: less CPU time than float32, perplexity "
+                              "+2.3% on the bundled model: no default (README, Quantization)  [default: none]"),
     "kv_cache_gib": dict(help="Memory budget of the KV cache  [default: 1 on a CPU; on CUDA what "
                               "--gpu-memory-utilization leaves once the model is loaded]"),
     "gpu_memory_utilization": dict(type=FiniteFloat(0, 1, min_open=True),
