@@ -26,8 +26,6 @@ from pipeline.models.pooling_config import read_pooling_config
 from pipeline.prompts import prompt_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
 
-MIN_BATCH_TOKENS = 4096   # a padded batch smaller than this leaves the CPU's matrix units idle
-
 
 class _Waiting:
     """The encoder's queue, with the fields the engine loop and the metrics read of a scheduler."""
@@ -62,7 +60,9 @@ class EncoderEngine:
         self.hidden_size = hf_config["hidden_size"]
         self.max_model_len = context_length(self.model_dir, config.max_model_len)
         self.max_num_seqs = config.max_num_seqs or 256
-        self.batch_tokens = max(config.max_num_batched_tokens, MIN_BATCH_TOKENS, self.max_model_len)
+        # Padded tokens a step: 1024 (the default) measured best for all-MiniLM on a 2-core CPU
+        # (26.6 texts/s against 22.8 at 4096 and 20.6 at 8192, 600 texts of 8..254 tokens).
+        self.batch_tokens = max(config.max_num_batched_tokens, self.max_model_len)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.scheduler = _Waiting()
         self.block_manager = None   # no KV cache
