@@ -73,7 +73,7 @@ def test_chat_job_with_a_long_system_prompt_computes_it_once(runner, data_root, 
          "max_tokens": 6, "temperature": 0} for i in range(6)])
     for flag in ("--prefix-caching", "--no-prefix-caching"):
         result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "3",
-                                      flag, *FAST])
+                                      flag, "--no-reuse", *FAST])   # both computed: the prefix cache is measured
         assert result.exit_code == 0, result.output
     with Session() as s:
         plain, cached = list_jobs(s)                      # newest first
