@@ -19,8 +19,6 @@ from jobs.paths import JobPaths
 from jobs.results import RESULT_SCHEMA
 from pipeline.request import FinishReason
 
-_SUCCESSES = {reason.value for reason in FinishReason if reason.is_success}
-
 
 def stored_answers(Session, root, job_id: str, specs) -> dict[str, tuple[str, list[dict]]]:
     """For each request of specs (jobs.spec.RequestSpec) with a usable stored answer: its id ->
@@ -60,7 +58,7 @@ def _rows_of(path, request_ids: set[str]) -> dict[str, list[dict]]:
     for rid, choices in rows.items():
         choices.sort(key=lambda r: r["choice"] or 0)
         if ([r["choice"] or 0 for r in choices] == list(range(len(choices)))
-                and all(r["finish_reason"] in _SUCCESSES for r in choices)):
+                and all(FinishReason(r["finish_reason"]).is_success for r in choices)):
             complete[rid] = choices
     return complete
 
@@ -70,5 +68,5 @@ def answers_of(specs, rows: list[dict]) -> list[tuple[str, str]]:
     succeeded (computed here or reused: the answer is in this job's results either way)."""
     ok: dict[str, bool] = {}
     for row in rows:
-        ok[row["id"]] = ok.get(row["id"], True) and row["finish_reason"] in _SUCCESSES
+        ok[row["id"]] = ok.get(row["id"], True) and FinishReason(row["finish_reason"]).is_success
     return [(spec.key, spec.id) for spec in specs if spec.key is not None and ok.get(spec.id)]

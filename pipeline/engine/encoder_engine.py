@@ -15,11 +15,11 @@ import time
 from collections import deque
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import EngineConfig
 from pipeline.device import resolve_device, resolve_dtype
 from pipeline.engine.generation import generate
+from pipeline.layers.pooler import as_lists
 from pipeline.models.loader import load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.model_dir import context_length
 from pipeline.models.pooling_config import read_pooling_config
@@ -141,11 +141,7 @@ class EncoderEngine:
             pooled = hidden[:, 0]
         else:
             pooled = hidden[torch.arange(len(inputs), device=self.device), mask.sum(1) - 1]
-        rows = [pooled[i, :d] for i, d in enumerate(dims)]
-        if self.pooling.normalize:
-            rows = [F.normalize(row, dim=0) for row in rows]
-        values = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).tolist()   # one transfer
-        return [v[:row.shape[0]] for v, row in zip(values, rows)]
+        return as_lists(pooled, dims, self.pooling.normalize)
 
 
 def _output(request: Request, arrival: float, *, prompt_tokens: int = 0, embedding=None, error: str | None = None,

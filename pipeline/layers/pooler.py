@@ -51,12 +51,18 @@ class Pooler:
     def finish(self, seqs) -> list[list[float]]:
         """The finished sequences' vectors as lists: a mean divided by the prompt's length, cut
         to the request's dimensions, then normalised (when the model normalises)."""
-        rows = []
+        vectors = []
         for seq in seqs:
-            vector = seq.pooled / seq.num_prompt_tokens if self.config.method == "mean" else seq.pooled
-            vector = vector[:seq.pooling.dimensions]
-            rows.append(F.normalize(vector, dim=0) if self.config.normalize else vector)
+            vectors.append(seq.pooled / seq.num_prompt_tokens if self.config.method == "mean" else seq.pooled)
             seq.pooled = None
-        widths = [row.shape[0] for row in rows]
-        values = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).tolist()   # one transfer
-        return [row[:width] for row, width in zip(values, widths)]
+        return as_lists(vectors, [seq.pooling.dimensions for seq in seqs], self.config.normalize)
+
+
+def as_lists(vectors, dims: list[int | None], normalize: bool) -> list[list[float]]:
+    """Pooled vectors (float32, on the device) as lists: each cut to its dimensions (None: all),
+    then made unit length when the model normalises; one transfer for them all."""
+    rows = [vector[:d] for vector, d in zip(vectors, dims)]
+    if normalize:
+        rows = [F.normalize(row, dim=0) for row in rows]
+    values = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).tolist()
+    return [value[:row.shape[0]] for value, row in zip(values, rows)]
