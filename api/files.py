@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import caller
 from api.errors import ApiError, not_found
 from api.uploads import receive_upload
-from jobs import ledger, spec
+from jobs import file_scan, ledger, spec
 from jobs.paths import check_file_id, file_path, files_dir, new_file_id
 
 router = APIRouter()
@@ -58,7 +58,7 @@ async def upload_file(request: Request, key: ledger.ApiKey = Depends(caller)):
         if upload.fields.get("purpose") != "batch":
             raise ApiError(400, f"purpose must be 'batch', got {upload.fields.get('purpose')!r} (this server runs "
                                 "batches only)", param="purpose")
-        validation = await run_in_threadpool(spec.validate, path, config.limits, model=config.model_names)
+        validation = await run_in_threadpool(file_scan.validate, path, config.limits, model=config.model_names)
         if not validation.ok:
             raise invalid_input(upload.filename, validation, "nothing was uploaded")
 

@@ -2,8 +2,9 @@
 
 Every file the pipeline writes goes through here: `atomic_write` for a whole file
 (written beside its final name, flushed to disk, then renamed over it), `write_durably`
-for a file someone else renames later (a result attempt the ledger publishes), and
-`replace_durably` for that rename.
+for a file someone else renames later (a result attempt the ledger publishes),
+`replace_durably` for that rename, and `SyncedFolder` for many new files of a folder that
+is published whole (a job's input shards).
 
 `atomic_write` writes user-named files too (exports), so it trusts nothing at the target:
 its temporary file has a fresh, unpredictable name and is created exclusively (a link
@@ -18,6 +19,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -83,10 +85,63 @@ def same_target(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return (a.parent.resolve(), a.name) == (b.parent.resolve(), b.name)
 
 
+class SyncedFolder:
+    """New files written one after another into a folder and made durable together: each
+    file is fsynced by a background thread while the next is written (an fsync waits on
+    the disk, not the CPU: one each in turn cost a 1,000,000-line submit seconds), and the
+    folder's entries once all are, on a clean exit (which raises the first failed fsync).
+    For a folder that no reader sees until it is complete (published by replace_durably)."""
+
+    _IN_FLIGHT = 64   # files written but not yet synced, at most
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fsync")
+        self._pending: list[Future] = []
+
+    @contextlib.contextmanager
+    def create(self, name: str) -> Iterator[IO[bytes]]:
+        """A new file of the folder, open for binary writing; removed again on an error."""
+        path = self.directory / name
+        f = open(path, "xb")
+        try:
+            yield f
+            f.flush()
+        except BaseException:
+            f.close()
+            path.unlink(missing_ok=True)
+            raise
+        self._pending.append(self._pool.submit(_sync_and_close, f))
+        if len(self._pending) > self._IN_FLIGHT:
+            self._pending.pop(0).result()
+
+    def __enter__(self) -> "SyncedFolder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failure = None
+        for future in self._pending:
+            if (error := future.exception()) is not None and failure is None:
+                failure = error
+        self._pool.shutdown(wait=True)
+        if exc_type is None:
+            if failure is not None:
+                raise failure
+            sync_directory(self.directory)
+
+
+def _sync_and_close(f: IO[bytes]) -> None:
+    try:
+        os.fsync(f.fileno())
+    finally:
+        f.close()
+
+
 def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Rename src over dst and make the rename itself survive a crash (POSIX)."""
     os.replace(src, dst)
-    _sync_directory(Path(dst).parent)
+    sync_directory(Path(dst).parent)
 
 
 def describe_file_type(st: os.stat_result) -> str:
@@ -122,10 +177,10 @@ def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
         raise TargetExists(f"{path} already exists") from None
     except OSError:  # a filesystem without hard links: the check above has to do
         os.replace(tmp, path)
-    _sync_directory(path.parent)
+    sync_directory(path.parent)
 
 
-def _sync_directory(directory: Path) -> None:
+def sync_directory(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # directories cannot be opened here (e.g. Windows)

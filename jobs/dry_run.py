@@ -80,7 +80,8 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
         pending.clear()
 
     scan = spec.Scan(path, limits, model=model_names)
-    for request in scan:
+    for line in scan:
+        request = spec.RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)
         lengths = _prompt_lengths(tokenizer, request) if request.is_embedding or not encoder else [0]
         prompt = sum(lengths)
@@ -91,7 +92,7 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
         totals["max_prompt_tokens"] = max(totals["max_prompt_tokens"], *lengths)
         totals["over_context"] += max(lengths) > longest
         totals["output_token_ceiling"] += ceiling
-        line_key = request_key(request.to_dict(), fingerprint)
+        line_key = request_key(line, fingerprint)
         if line_key is None:
             computed_tokens += prompt + ceiling
         else:

@@ -27,20 +27,28 @@ def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
     return os.fdopen(fd, "rb"), opened
 
 
-def read_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
-    """Yield (line number, line without its newline), or None for a line over max_bytes.
+def read_lines(f: BinaryIO, max_bytes: int, first_line: int = 1, end: int | None = None,
+               ) -> Iterator[tuple[int, bytes | None]]:
+    """Yield (line number, line without its newline), or None for a line over max_bytes, from
+    f's position (line number first_line) up to byte `end` (a line start; None: the end).
 
     readline is bounded, so an over-long line is never held whole: it is skipped in chunks.
     """
     with f:
-        number = 0
-        while chunk := f.readline(max_bytes + 1):
+        number = first_line - 1
+        left = None if end is None else end - f.tell()   # bytes of the range not read yet
+        while (left is None or left > 0) and (chunk := f.readline(max_bytes + 1)):
             number += 1
+            if left is not None:
+                left -= len(chunk)
             if chunk.endswith(b"\n"):
                 yield number, chunk[:-1]
             elif len(chunk) <= max_bytes:  # the last line, without a newline
                 yield number, chunk
             else:
-                while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
-                    pass
+                while (rest := f.readline(_SKIP_CHUNK)):
+                    if left is not None:
+                        left -= len(rest)
+                    if rest.endswith(b"\n"):
+                        break
                 yield number, None

@@ -57,8 +57,8 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     model = body.get("model")
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
-    req = {k: body.get(k) for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *LOGPROB_KEYS[endpoint],
-                                    *(TOOL_KEYS if endpoint == CHAT_ENDPOINT else ()))}
+    req = {k: body[k] for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *LOGPROB_KEYS[endpoint],
+                                *(TOOL_KEYS if endpoint == CHAT_ENDPOINT else ())) if k in body}
     labels = {}
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
@@ -82,17 +82,34 @@ def sampling_settings(req: dict, labels: dict, problems: list[str]) -> dict:
     """Checked sampling settings, defaults for absent or null ones; errors use the input's names."""
     out = dict(SAMPLING_DEFAULTS)
     out["stop"] = []   # never share the default list
-    for key in SAMPLING_DEFAULTS:
-        value = req.get(key)
-        if value is not None:
-            out[key] = check(SAMPLING_CHECKS[key], labels.get(key, key), value, None, problems)
+    given = [key for key in req if key in _SAMPLING_ORDER]   # the line's few, not every setting
+    if len(given) > 1:
+        given.sort(key=_SAMPLING_ORDER.__getitem__)          # problems in one order, whatever the line's
+    for key in given:
+        value = req[key]
+        if value is None:
+            continue
+        # A file's lines mostly repeat a few settings (temperature 0, max_tokens 256): each
+        # distinct scalar is checked once, and its checked value taken from _CHECKED after.
+        seen = (key, value.__class__, value) if value.__class__ in _SCALARS else None
+        if seen is not None and (checked := _CHECKED.get(seen)) is not None:
+            out[key] = checked
+            continue
+        out[key] = checked = check(SAMPLING_CHECKS[key], labels.get(key, key), value, None, problems)
+        if seen is not None and checked.__class__ in _SCALARS and len(_CHECKED) < _CHECKED_MAX:
+            _CHECKED[seen] = checked
     return out
+
+
+_SCALARS = frozenset({int, float, bool, str})
+_CHECKED: dict[tuple, object] = {}   # (setting, type, value) -> its checked value (only valid ones)
+_CHECKED_MAX = 1 << 16
 
 
 def request_timeout(req: dict, problems: list[str]) -> float | None:
     """A line's own timeout_s (seconds it may run once started), or None."""
     value = req.get("timeout_s")
-    return None if value is None else check(_float_in(lambda x: x > 0, "> 0"), "timeout_s", value, None, problems)
+    return None if value is None else check(_positive, "timeout_s", value, None, problems)
 
 
 def check(fn, name: str, value, arg, problems: list[str]):
@@ -126,6 +143,9 @@ def _float_in(ok, allowed: str):
             raise Bad(f"{name} must be a number {allowed}, got {describe(v)}")
         return x
     return check
+
+
+_positive = _float_in(lambda x: x > 0, "> 0")
 
 
 def _stop(name, v, _):
@@ -295,5 +315,6 @@ SAMPLING_CHECKS = {
 # Their defaults are the engine's (an absent or null setting gets it).
 SAMPLING_DEFAULTS = {f.name: f.default_factory() if f.default is MISSING else f.default
                      for f in fields(SamplingParams) if f.name in SAMPLING_CHECKS}
+_SAMPLING_ORDER = {key: i for i, key in enumerate(SAMPLING_DEFAULTS)}
 # Body fields of an OpenAI batch line we honour; top_k and the rest are extensions.
 _OPENAI_BODY_KEYS = {"model", "max_completion_tokens", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS}

@@ -22,11 +22,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import msgspec
+
 from pipeline.engine_key import identity
 from pipeline.models.fingerprint import model_fingerprint
 
 NOT_IN_KEY = frozenset({"id", "line", "model", "timeout_s", "encoding_format", "key"})
-_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode
+_encode = msgspec.json.Encoder(order="sorted").encode   # compact UTF-8 JSON, keys sorted: one form per line
 
 
 def engine_fingerprint(engine_options: dict) -> str | None:
@@ -59,4 +61,4 @@ def request_key(line: dict, engine: str | None) -> str | None:
     if engine is None or not is_deterministic(line):
         return None
     body = {k: v for k, v in line.items() if k not in NOT_IN_KEY}
-    return hashlib.blake2b((engine + _encode(body)).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(engine.encode() + _encode(body), digest_size=16).hexdigest()

@@ -1,10 +1,12 @@
-"""Job input files: streaming validation and normalisation into RequestSpec.
+"""Job input files: streaming validation and normalisation into request lines.
 
 An input file is JSONL, one request a line, either in the pipeline's own format or in
 the OpenAI Batch API format; the first request line decides which. Validation is one
-streaming pass that keeps only the ids seen so far, and it reports every bad line with
-its 1-based line number. Valid requests become `RequestSpec`s, whose `to_dict()` is the
-shard-file line of docs/contracts.md (jobs.request_spec; jobs.shards writes them). The
+streaming pass (of the whole file, or of each of its line ranges: jobs.file_scan) that
+keeps a digest of each id seen (jobs.unique_ids), and it reports every bad line with its
+1-based line number; the file's outcome is a jobs.validation.Validation. Each valid request
+becomes its shard-file line of docs/contracts.md, a dict (jobs.request_spec.request_line;
+RequestSpec.from_dict makes the request of it; jobs.shards writes them). The
 checks of single fields are in jobs.request_fields (and answer_fields, embedding_fields);
 reading the file itself in jobs.input_file.
 
@@ -16,9 +18,8 @@ gpt-4o-mini`, exactly those). Pass those names as `model`, a tuple, instead of t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from jobs.answer_fields import echo_setting, forced_tool, logprobs_setting, structured_output
 from jobs.embedding_fields import (
@@ -30,7 +31,9 @@ from jobs.request_fields import (
     DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
     request_inputs, request_timeout, sampling_settings, string, too_deep,
 )
-from jobs.request_spec import RequestSpec   # re-exported: the type every reader of shard lines uses
+from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
+from jobs.unique_ids import IdLog
+from jobs.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete   # re-exported
 
 __all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Validation", "iter_lines",
            "open_regular_file", "validate"]
@@ -39,105 +42,99 @@ _BOM = b"\xef\xbb\xbf"
 _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
-
-
-@dataclass(slots=True)
-class Limits:
-    """Bounds on an input file; a file breaking one is rejected with a clear error."""
-    max_file_bytes: int = 2 * 1024**3
-    max_line_bytes: int = 4 * 1024**2
-    max_requests: int = 5_000_000
-    max_prompt_chars: int = 1_000_000
-    max_depth: int = 32
-    max_id_chars: int = 512
-    max_errors_kept: int = 1000
-
-
-@dataclass(slots=True)
-class LineError:
-    """What is wrong with one input line (line is None for file-level problems)."""
-    line: int | None
-    message: str
-
-    def __str__(self) -> str:
-        return self.message if self.line is None else f"line {self.line}: {self.message}"
-
-
-@dataclass
-class Validation:
-    """The outcome of validating a whole file. `errors` holds the first few; `num_errors` counts all."""
-    num_requests: int
-    errors: list[LineError]
-    num_errors: int
-    input_format: str               # "pipeline" | "openai"
-    endpoint: str | None            # the OpenAI url shared by every line; None for the pipeline format
-
-    @property
-    def ok(self) -> bool:
-        return self.num_errors == 0
-
-    def report(self, heading: str, shown: int | None = None) -> str:
-        """The errors as the CLI prints them and the HTTP API returns them: the heading
-        line, then one line each (the first `shown`; all that were kept by default)."""
-        errors = self.errors if shown is None else self.errors[:shown]
-        lines = [heading, *map(str, errors)]
-        if self.num_errors > len(errors):
-            lines.append(f"... and {self.num_errors - len(errors)} more")
-        return "\n".join(lines)
-
-    def describe(self, name: str, what: str) -> str:
-        """Every kept error under `<name>: N error(s), <what>:` (what: what was not done)."""
-        return self.report(f"{name}: {self.num_errors} error(s), {what}:")
-
-
-class InvalidInput(Exception):
-    """The input file has errors; `.validation` has them all (up to Limits.max_errors_kept)."""
-
-    def __init__(self, validation: Validation, shown: int = 20):
-        self.validation = validation
-        super().__init__(validation.report(f"{validation.num_errors} error(s) in the input file:", shown))
+# The fields whose checks give the answer's form (jobs.answer_fields); a line without any has none.
+_SHAPING_KEYS = frozenset({*STRUCTURED_KEYS, *TOOL_KEYS, "logprobs", "top_logprobs", "echo"})
 
 
 def iter_lines(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
                ) -> Iterator[tuple[int, RequestSpec | LineError]]:
-    """Stream (line number, RequestSpec or LineError) over the request lines of `path`.
+    """Stream (line number, RequestSpec or LineError) over the request lines of `path`, each
+    line checked on its own: the file-wide checks (each id once, at least one request)
+    are Scan's and validate's. A file that cannot be read yields one error with line number 0."""
+    f, problem = open_input(path, limits)
+    if problem is not None:
+        yield 0, problem
+        return
+    for number, item in _Reader(limits, model).read(f):
+        yield number, item if isinstance(item, LineError) else RequestSpec.from_dict(item)
 
-    Blank lines are skipped. File-level errors (too big, no requests) come with line number 0.
-    """
-    return iter(_Reader(path, limits, model))
+
+def open_input(path, limits: Limits) -> tuple[BinaryIO | None, LineError | None]:
+    """The input file opened for reading, or the file-level problem that refuses it."""
+    f, st = open_regular_file(path)
+    if f is None:
+        return None, LineError(None, f"the input is {describe_file_type(st)}, not a regular file; give a file "
+                                     "(or - to read standard input once)")
+    if st.st_size > limits.max_file_bytes:
+        f.close()
+        return None, LineError(None, f"the input file is {st.st_size} bytes; the limit is {limits.max_file_bytes} bytes")
+    return f, None
 
 
 class Scan:
-    """One streaming pass that validates a whole file and hands on its requests.
+    """One streaming pass that validates a file (or a range of its lines) and hands on its requests.
 
-    Iterating yields each valid request in input order while the file has had no error
+    Iterating yields each valid request's line (a dict: jobs.request_spec.request_line) in
+    input order while the scan has met no error
     (after the first bad line nothing more is yielded, but every line is still checked);
-    once iteration ends, `validation` holds the outcome. A job's shards are written from
-    the same pass that validates the file (jobs.shards.write_input_shards).
+    once iteration ends, `outcome` holds what the pass found and, for a whole file,
+    `validation` the file's outcome (jobs.validation.complete, with the file-wide id check:
+    a request yielded may turn out to be a duplicate, and the file then invalid).
+
+    span (start byte, end byte, the number of its first line) and seed (the outcome of the
+    file's start, whose format and endpoint it goes on with) make it a scan of one range
+    (jobs.file_scan); `validation` is then left to whoever joins the ranges.
     """
 
-    def __init__(self, path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None):
-        self.limits = limits
-        self._reader = _Reader(path, limits, model)
+    def __init__(self, path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
+                 span: tuple[int, int, int] | None = None, seed: RangeOutcome | None = None):
+        self.path, self.limits, self.span = path, limits, span
+        self._reader = _Reader(limits, model, seed)
+        self.outcome: RangeOutcome | None = None
         self.validation: Validation | None = None
 
-    def __iter__(self) -> Iterator[RequestSpec]:
-        num_requests, errors, num_errors = 0, [], 0
-        for _, item in self._reader:
-            if isinstance(item, RequestSpec):
-                num_requests += 1
-                if not num_errors:
-                    yield item
-                continue
-            num_errors += 1
-            if len(errors) < self.limits.max_errors_kept:
-                errors.append(item)
-        self.validation = Validation(num_requests, errors, num_errors, self._reader.input_format or "pipeline",
-                                     self._reader.endpoint)
+    def __iter__(self) -> Iterator[dict]:
+        limits, reader = self.limits, self._reader
+        outcome = RangeOutcome(ids=reader.ids)
+        f, problem = open_input(self.path, limits)
+        if problem is not None:
+            outcome.add_error(problem, limits)
+            outcome.request_lines = 1   # refused as a file, not also for having no requests
+        else:
+            if self.span is not None:
+                f.seek(self.span[0])
+            for _, item in reader.read(f, *(self.span[2], self.span[1]) if self.span is not None else ()):
+                if not isinstance(item, LineError):
+                    outcome.num_requests += 1
+                    if not outcome.num_errors:
+                        yield item
+                else:
+                    outcome.add_error(item, limits)
+            outcome.request_lines = reader.request_lines
+        outcome.input_format, outcome.format_line = reader.input_format, reader.format_line
+        outcome.endpoint, outcome.endpoint_line = reader.endpoint, reader.endpoint_line
+        self.outcome = outcome
+        if self.span is None:
+            self.validation = complete([outcome], limits, lambda lines: claimed_ids(self.path, lines, outcome, limits))
+
+
+def claimed_ids(path, lines, start: RangeOutcome, limits: Limits) -> dict[int, str]:
+    """The id each of `lines` claimed, read again (the lines whose id digests met:
+    jobs.unique_ids); start: the outcome of the file's start (its format)."""
+    wanted, found = set(lines), {}
+    reader = _Reader(limits, None, start)
+    f, problem = open_input(path, limits)
+    if problem is not None:
+        raise OSError(f"{path} can no longer be read: {problem}")
+    for number, raw in read_lines(f, limits.max_line_bytes):
+        if number in wanted:
+            found[number] = reader.claimed_id(number, reader._parse(number, raw))
+    return found
 
 
 def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None) -> Validation:
-    """Validate the whole file in one streaming pass; with `model`, the job's model, lines naming another are refused."""
+    """Validate the whole file in one streaming pass; with `model`, the job's model, lines naming
+    another are refused. (jobs.file_scan.validate does the same in parallel for a large file.)"""
     scan = Scan(path, limits, model=model)
     for _ in scan:
         pass
@@ -145,12 +142,13 @@ def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | 
 
 
 class _Reader:
-    """One streaming pass over an input file; learns the file's format as it goes."""
+    """The checks of each request line, in file order; learns the file's format as it goes."""
 
-    def __init__(self, path, limits: Limits, job_model: str | tuple[str, ...] | None = None):
+    def __init__(self, limits: Limits, job_model: str | tuple[str, ...] | None = None,
+                 seed: RangeOutcome | None = None):
         # job_model: the job's model (a line may name it as given or by its directory's name),
         # or the exact names it is served as (--served-model-name).
-        self.path, self.limits = path, limits
+        self.limits = limits
         self.model_names = (None if job_model is None else _names_of(job_model) if isinstance(job_model, str)
                             else tuple(job_model))
         self.job_model = job_model if isinstance(job_model, str) else None
@@ -158,25 +156,22 @@ class _Reader:
         self.format_line: int | None = None
         self.endpoint: str | None = None         # set by the first OpenAI line with a known url
         self.endpoint_line: int | None = None
-        self._seen: dict[str, int] = {}          # id -> line it was first used on
+        if seed is not None:                     # a later range goes on from the file's start
+            self.input_format, self.format_line = seed.input_format, seed.format_line
+            self.endpoint, self.endpoint_line = seed.endpoint, seed.endpoint_line
+        self.ids = IdLog()                       # every id claimed, with its line (jobs.unique_ids)
+        self.request_lines = 0
 
-    def __iter__(self) -> Iterator[tuple[int, RequestSpec | LineError]]:
+    def read(self, f: BinaryIO, first_line: int = 1, end: int | None = None,
+             ) -> Iterator[tuple[int, dict | LineError]]:
+        """(line number, request line or LineError) for each request line from f's position
+        (line first_line) to byte `end` (None: the end of the file)."""
         lim = self.limits
-        f, st = open_regular_file(self.path)
-        if f is None:
-            yield 0, LineError(None, f"the input is {describe_file_type(st)}, not a regular file; give a file "
-                                     "(or - to read standard input once)")
-            return
-        if st.st_size > lim.max_file_bytes:
-            f.close()
-            yield 0, LineError(None, f"the input file is {st.st_size} bytes; the limit is {lim.max_file_bytes} bytes")
-            return
-        request_lines = 0
-        for number, raw in read_lines(f, lim.max_line_bytes):
+        for number, raw in read_lines(f, lim.max_line_bytes, first_line, end):
             if raw is not None and not raw.strip():
                 continue
-            request_lines += 1
-            if request_lines > lim.max_requests:
+            self.request_lines += 1
+            if self.request_lines > lim.max_requests:
                 yield number, LineError(number, f"the file has more than {lim.max_requests} requests, the limit; "
                                                 "split it into several jobs")
                 return
@@ -187,12 +182,10 @@ class _Reader:
                 yield number, self._request(number, raw)
             except Bad as e:
                 yield number, LineError(number, str(e))
-        if request_lines == 0:
-            yield 0, LineError(None, "the file has no requests (it is empty or has only blank lines)")
 
-    def _request(self, number: int, raw: bytes) -> RequestSpec:
+    def _request(self, number: int, raw: bytes) -> dict:
         obj = self._parse(number, raw)
-        fmt = "openai" if _OPENAI_KEYS & obj.keys() else "pipeline"
+        fmt = "pipeline" if _OPENAI_KEYS.isdisjoint(obj) else "openai"
         if self.input_format is None:
             self.input_format, self.format_line = fmt, number
         elif fmt != self.input_format:
@@ -210,10 +203,13 @@ class _Reader:
         inputs = request_inputs(req, self.limits.max_prompt_chars, problems)
         sampling = sampling_settings(req, labels, problems)
         timeout_s = request_timeout(req, problems)
-        structured = structured_output(req, problems)
-        logprobs = logprobs_setting(req, self.endpoint if fmt == "openai" else None, problems)
-        echo = echo_setting(req, self.endpoint if fmt == "openai" else None, problems)
-        tools, tool_call, tool_spec = forced_tool(req, problems)
+        structured = logprobs = tools = tool_call = tool_spec = None
+        echo = False
+        if not _SHAPING_KEYS.isdisjoint(req):   # most lines ask for none of these: their checks are skipped
+            structured = structured_output(req, problems)
+            logprobs = logprobs_setting(req, self.endpoint if fmt == "openai" else None, problems)
+            echo = echo_setting(req, self.endpoint if fmt == "openai" else None, problems)
+            tools, tool_call, tool_spec = forced_tool(req, problems)
         if tool_spec is not None:
             if structured is not None:
                 problems.append("a forced tool call already fixes the answer's form: give tools or "
@@ -226,9 +222,9 @@ class _Reader:
             self._claim(number, rid, problems)
         if problems:
             raise Bad("; ".join(problems))
-        return RequestSpec(id=rid, line=number, **inputs, **sampling, model=model, timeout_s=timeout_s,
-                           structured_output=structured, tools=tools, tool_call=tool_call, logprobs=logprobs,
-                           echo=echo)
+        return request_line({"id": rid, "line": number, **inputs, **sampling, "model": model, "timeout_s": timeout_s,
+                             "structured_output": structured, "tools": tools, "tool_call": tool_call,
+                             "logprobs": logprobs, "echo": echo})
 
     def _embedding(self, number: int, rid: str | None, model: str | None, req: dict, problems: list[str]):
         """An embedding request's spec: its inputs, dimensions and output encoding."""
@@ -243,9 +239,9 @@ class _Reader:
             self._claim(number, rid, problems)
         if problems:
             raise Bad("; ".join(problems))
-        return RequestSpec(id=rid, line=number, prompt=None, messages=None, **_EMBEDDING_SAMPLING, stop=[], model=model,
-                           timeout_s=timeout_s, n=len(inputs), input=inputs, dimensions=dimensions,
-                           encoding_format=encoding)
+        return request_line({"id": rid, "line": number, "prompt": None, "messages": None, **_EMBEDDING_SAMPLING,
+                             "stop": [], "model": model, "timeout_s": timeout_s, "n": len(inputs), "input": inputs,
+                             "dimensions": dimensions, "encoding_format": encoding})
 
     def _check_model(self, model: str | None, problems: list[str]) -> None:
         if model is not None and self.model_names is not None and model not in self.model_names:
@@ -286,11 +282,11 @@ class _Reader:
         embedding = "input" in obj
         self._same_kind(number, EMBEDDINGS_ENDPOINT if embedding else None, problems)
         allowed = PIPELINE_EMBEDDING_KEYS if embedding else _PIPELINE_KEYS
-        problems += [f"unknown field {k!r} (allowed{' in an embedding line' if embedding else ''}: "
-                     f"{', '.join(sorted(allowed))})" for k in sorted(obj.keys() - allowed)]
-        rid = f"line-{number:06d}"  # a stable id for lines without one
-        if obj.get("id") is not None:
-            rid = check(string, "id", obj["id"], self.limits.max_id_chars, problems)
+        if not obj.keys() <= allowed:
+            problems += [f"unknown field {k!r} (allowed{' in an embedding line' if embedding else ''}: "
+                         f"{', '.join(sorted(allowed))})" for k in sorted(obj.keys() - allowed)]
+        rid = obj.get("id")
+        rid = _default_id(number) if rid is None else check(string, "id", rid, self.limits.max_id_chars, problems)
         if embedding:
             return rid, None, obj, _EMBEDDING
         if obj.get("prompt") is not None and obj.get("messages") is not None:
@@ -346,9 +342,15 @@ class _Reader:
         return (rid, *openai_body(endpoint, body, self.limits.max_id_chars, problems))
 
     def _claim(self, number: int, rid: str, problems: list[str]) -> None:
-        first = self._seen.setdefault(rid, number)
-        if first != number:
-            problems.append(f"duplicate id {rid!r} (first on line {first})")
+        # Whether another line has the id is known once the whole file is read (jobs.validation.complete).
+        self.ids.add(rid, number)
+
+    def claimed_id(self, number: int, obj: dict) -> str:
+        """The id line `number` (parsed: obj) claimed, as _pipeline and _openai take it (a line claims one
+        only once its id is valid)."""
+        if self.input_format == "openai":
+            return obj["custom_id"]
+        return obj["id"] if obj.get("id") is not None else _default_id(number)
 
 
 _EMBEDDING = object()   # the labels of an embedding line: _request sends it to _embedding
@@ -356,6 +358,10 @@ _EMBEDDING = object()   # the labels of an embedding line: _request sends it to 
 # required sampling fields (stop is given afresh per request), so it reads like any other.
 _EMBEDDING_SAMPLING = {k: SAMPLING_DEFAULTS[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                                          "repetition_penalty", "seed", "ignore_eos")}
+
+
+def _default_id(number: int) -> str:
+    return f"line-{number:06d}"  # a stable id for a line without one
 
 
 def _names_of(job_model: str) -> tuple[str, str]:

@@ -18,9 +18,10 @@ from jobs import ledger, spec
 from jobs.atomic import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.request_fields import EMBEDDINGS_ENDPOINT
-from jobs.request_key import engine_fingerprint, request_key
+from jobs.file_scan import write_input_shards
+from jobs.request_key import engine_fingerprint
 from jobs.scheduling import DEFAULT_PRIORITY
-from jobs.shards import check_shard_size, read_shard, write_input_shards, write_retry_shards
+from jobs.shards import check_shard_size, read_shard, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.engine_key import engine_key
 from pipeline.models.model_dir import is_encoder
@@ -94,8 +95,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         engine = engine_fingerprint(engine_options)
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
-                                                     model=tuple(served_names) or model,
-                                                     key_of=lambda line: request_key(line, engine))
+                                                     model=tuple(served_names) or model, engine=engine)
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):

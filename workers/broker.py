@@ -27,6 +27,7 @@ from jobs.settings import Settings, env_var
 RUN_SHARD = "pipeline.run_shard"  # the name workers.tasks registers the shard task under
 
 _KOMBU_SEP = "\x06\x16"   # kombu.transport.redis.Channel.sep
+_PUBLISH_BATCH = 1000       # messages sent in one Redis pipeline (kombu >= 5.7 Producer.batch)
 
 
 class BrokerUnavailable(RuntimeError):
@@ -53,7 +54,8 @@ def enqueue_shards(settings: Settings, engine_key: str, shards: Iterable[tuple[s
 
     queue = settings.queue_for(engine_key, prefix)
     step = MESSAGE_PRIORITY[priority]
-    with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer:
+    with app.connection_for_write(settings.broker_url) as conn, conn.Producer() as producer, \
+            producer.batch(max_size=_PUBLISH_BATCH):
         for job_id, index in shards:
             app.send_task(RUN_SHARD, (job_id, index), queue=queue, producer=producer, priority=step,
                           argsrepr=shard_repr(job_id, index))

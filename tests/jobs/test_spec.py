@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs.paths import input_shard_name as shard_file_name
-from jobs.shards import read_shard, write_input_shards as write_shards
+from jobs.file_scan import write_input_shards as write_shards
+from jobs.shards import read_shard
 from jobs.spec import InvalidInput, LineError, Limits, RequestSpec, iter_lines, validate
 
 CHAT = "/v1/chat/completions"
@@ -468,7 +469,11 @@ def test_fuzz_never_raises_and_numbers_lines(lines, newline_at_end, small):
     specs_ = [i for _, i in items if isinstance(i, RequestSpec)]
     errors = [i for _, i in items if isinstance(i, LineError)]
     assert len(specs_) + len(errors) == len(items)
-    assert (v.num_requests, v.num_errors) == (len(specs_), len(errors))
+    # The file-wide checks come on top of each line's: a file with no request is refused, and a
+    # request whose id an earlier line claimed becomes an error (so no more than its distinct ids stay valid).
+    assert v.num_requests + v.num_errors == len(items) + (not items)
+    assert v.num_requests <= len({s.id for s in specs_}) and v.num_errors >= len(errors)
+    assert v.ok == (bool(items) and not errors and len({s.id for s in specs_}) == len(specs_))
     for number, item in items:
         if item.line is None:
             assert number == 0
@@ -476,7 +481,6 @@ def test_fuzz_never_raises_and_numbers_lines(lines, newline_at_end, small):
             assert number == item.line and 1 <= item.line <= line_count
         if isinstance(item, LineError):
             str(item).encode("utf-8")  # messages go to logs and the ledger: no lone surrogates
-    assert len({s.id for s in specs_}) == len(specs_)
     assert all(s.to_dict() == RequestSpec.from_dict(json.loads(json.dumps(s.to_dict()))).to_dict()
                for s in specs_)
 
