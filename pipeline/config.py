@@ -26,7 +26,8 @@ class EngineConfig:
     the number of blocks is derived from it once, at start-up."""
     model: str | None = None
     # auto: the model's own dtype where the device computes it natively (CUDA; CPUs with
-    # AVX-512 BF16 or AMX), else float32; see device.py. float32 for exact comparisons.
+    # AVX-512 BF16 or AMX), else float32, but bfloat16 for a float32 checkpoint on a GPU
+    # that has it; see device.py. float32 for exact comparisons.
     dtype: str = "auto"
     device: str = "auto"              # auto: cuda when a GPU is visible, else cpu
     quantization: str = "none"
@@ -38,11 +39,14 @@ class EngineConfig:
     # scale per token and head (kv_quant.py): the same budget holds ~2x the blocks of bf16,
     # ~3.8x of float32.
     kv_cache_dtype: str = "auto"
-    # Tokens per KV-cache block; None: the attention backend's (16 for cpu and reference,
-    # 256 for varlen: FlashAttention-2's paged KV needs a multiple of 256).
+    # Tokens per KV-cache block; None: the attention backend's (16 for cpu, reference and
+    # torch 2.10/2.11's packed varlen; 256 for the paged varlen of torch >= 2.12, whose
+    # FlashAttention-2 paged KV needs a multiple of 256).
     block_size: int | None = None
     max_num_seqs: int | None = None     # None: 64 on a CPU, 256 on CUDA
-    max_num_batched_tokens: int = 1024
+    # None: 1024 on a CPU (a step's cost grows with its tokens), 8192 on CUDA (fewer, larger
+    # prefill chunks: fewer steps off the decode graphs); see memory_budget.py.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None    # None: the model's own context length
     num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
     # CPU without quantization: hold linear weights packed once at load, float32 in MKL's
@@ -60,8 +64,9 @@ class EngineConfig:
     speculative: str = "none"
     num_speculative_tokens: int = 8
     # Attention over the paged cache (pipeline/layers/attention). auto: varlen
-    # (FlashAttention-2) on CUDA in float16/bfloat16 with a cache of that dtype, else cpu
-    # (C kernels on a CPU, PyTorch paths elsewhere). reference: plain PyTorch varlen, slow.
+    # (FlashAttention-2) on CUDA in float16/bfloat16 with a cache of that dtype where the
+    # installed torch and GPU serve it (probed once, choice.py), else cpu (C kernels on a
+    # CPU, PyTorch paths elsewhere). reference: plain PyTorch varlen, slow.
     attention_backend: str = "auto"
     # CUDA: replay decode-only steps from CUDA graphs captured at bucketed batch sizes
     # (cuda_graphs.py; varlen and reference backends). Ignored on a CPU.

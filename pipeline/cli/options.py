@@ -84,8 +84,8 @@ _ENGINE_OPTIONS = {
     "model": dict(metavar="DIR", help="Hugging Face model directory  [default: bundled SmolLM2-135M-Instruct]"),
     "dtype": dict(type=click.Choice(DTYPES),
                   help="auto: the model's own dtype where the device computes it natively (CUDA; a CPU "
-                       "with AVX-512 BF16 or AMX), else float32. float32 for exact comparisons.  "
-                       "[default: auto]"),
+                       "with AVX-512 BF16 or AMX), else float32; but bfloat16 for a float32 checkpoint on a "
+                       "CUDA GPU that has it. float32 for exact comparisons.  [default: auto]"),
     "device": dict(type=click.Choice(DEVICES)),
     "quantization": dict(type=click.Choice(QUANTIZATIONS),
                          help="int8 (LLM.int8), nf4: bitsandbytes (any device). w8a8: CPU only, int8 weights "
@@ -100,10 +100,11 @@ _ENGINE_OPTIONS = {
                            help="auto: keys and values in the compute dtype. int8: quantized when "
                                 "written (a scale per token and head), so the same --kv-cache-gib "
                                 "holds about 2x the blocks of bf16, 3.8x of float32  [default: auto]"),
-    "block_size": dict(help="Tokens in one KV-cache block  [default: the attention backend's: 16, or 256 "
-                            "for varlen, whose FlashAttention-2 paged KV needs a multiple of 256]"),
+    "block_size": dict(help="Tokens in one KV-cache block  [default: the attention backend's: 256 for the "
+                            "paged varlen of torch >= 2.12, whose FlashAttention-2 paged KV needs a multiple "
+                            "of 256; 16 for the packed varlen of torch 2.10/2.11, cpu and reference]"),
     "max_num_seqs": dict(help="Most sequences in one batch  [default: 64 on a CPU, 256 on CUDA]"),
-    "max_num_batched_tokens": dict(help="Most tokens in one engine step."),
+    "max_num_batched_tokens": dict(help="Most tokens in one engine step  [default: 1024 on a CPU, 8192 on CUDA]"),
     "max_model_len": dict(help="Longest sequence  [default: the model's context length]"),
     "num_kv_blocks": dict(help="KV-cache blocks, instead of the --kv-cache-gib budget."),
     "enable_prefix_caching": dict(flag="--prefix-caching/--no-prefix-caching",

@@ -8,7 +8,8 @@ metadata (slot mapping, seqused_k, cumulative lengths, block table) with max_q =
 max_k = max_model_len. A step of b sequences fills the first b rows of those buffers and
 replays the graph of the smallest bucket >= b; the padding rows are one-token sequences
 on the reserved pad block (KVCache.pad_block), which no sequence ever owns, so what they
-write is never read by a real row. Mixed steps and steps with drafts run eagerly.
+write is never read by a real row. Mixed steps and steps with drafts run eagerly, and so
+does every step where capture fails (capture_decode_graphs logs it).
 
 The forward captured is `forward(bucket)`; on a CPU the same function is what a test
 compiles with torch.compile(fullgraph=True) to prove it has no graph break (nothing read
@@ -16,11 +17,33 @@ back to the host, nothing that would fall out of a capture).
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from pipeline.layers.attention import HostToDevice, StepLayout
 from pipeline.layers.attention.varlen import VarlenMetadata
+
+
+log = logging.getLogger(__name__)
+
+
+def capture_decode_graphs(model, max_num_seqs: int, max_model_len: int, block_size: int, pad_block: int,
+                          device: torch.device) -> "DecodeGraphs | None":
+    """The captured graphs, or None when this torch or GPU cannot capture them: every step
+    then runs eagerly (correct, slower), and the log says so."""
+    graphs = DecodeGraphs(model, max_num_seqs, max_model_len, block_size, pad_block, device)
+    try:
+        graphs.capture()
+    except RuntimeError as e:
+        log.warning("CUDA graphs could not be captured, every step runs eagerly (slower): %s",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        graphs.graphs.clear()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return None
+    return graphs
 
 
 def buckets(max_num_seqs: int) -> list[int]:

@@ -55,12 +55,12 @@ class Engine:
 
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
-        self.attention_backend = backend = attention.select(config.attention_backend, self.device,
-                                                                     dtype, kv_dtype)
+        self.attention_backend = backend = attention.select(config.attention_backend, self.device, dtype, kv_dtype,
+                                                            (args.num_heads, args.num_kv_heads, args.head_dim))
         self.block_size = block_size = config.block_size or backend.default_block_size
         backend.check(block_size, dtype, kv_dtype, self.device)
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            memory_budget.kv_cache_bytes(config, self.device, args, dtype, self.max_num_seqs),
+            memory_budget.kv_cache_bytes(config, self.device, args, dtype, self.max_num_seqs, backend.copies_layer_kv),
             args.num_layers, args.num_kv_heads, args.head_dim, block_size, kv_dtype)
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                            num_blocks, kv_dtype, self.device, backend)
@@ -69,15 +69,13 @@ class Engine:
         max_model_len = min(config.max_model_len or args.max_position_embeddings,
                             args.max_position_embeddings)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_batched_tokens=memory_budget.max_num_batched_tokens(config, self.device),
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.model, kv_cache, self.device, backend)
         if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
-            from pipeline.engine.cuda_graphs import DecodeGraphs
-            graphs = DecodeGraphs(self.model, self.max_num_seqs, self.scheduler.max_model_len,
-                                  block_size, kv_cache.pad_block, self.device)
-            graphs.capture()
-            self.runner.graphs = graphs
+            from pipeline.engine.cuda_graphs import capture_decode_graphs
+            self.runner.graphs = capture_decode_graphs(self.model, self.max_num_seqs, self.scheduler.max_model_len,
+                                                       block_size, kv_cache.pad_block, self.device)
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size, self.device)
         self._token_texts: dict[int, str] = {}   # logprobs: each token's text

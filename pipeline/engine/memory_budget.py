@@ -7,7 +7,10 @@ gpu_memory_utilization (0.9 by default, as vLLM's) of the device's memory leaves
 what is in use (weights, the CUDA context, other processes) and a reserve for one
 step's activations; kv_cache_gib, if given, still wins.
 The batch: max_num_seqs, if not given, is 64 on a CPU (a step's cost grows with the batch
-there) and 256 on a GPU (decode is memory-bound: more rows are nearly free).
+there) and 256 on a GPU (decode is memory-bound: more rows are nearly free);
+max_num_batched_tokens 1024 on a CPU and 8192 on a GPU (a prefill chunk's tokens cost
+little more than a decode step's weights read there, and every step with a chunk runs
+eagerly, off the CUDA graphs).
 """
 from __future__ import annotations
 
@@ -21,24 +24,37 @@ if TYPE_CHECKING:
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 1024, "cuda": 8192}
 
 
 def max_num_seqs(config: EngineConfig, device: torch.device) -> int:
     return config.max_num_seqs or DEFAULT_MAX_NUM_SEQS.get(device.type, DEFAULT_MAX_NUM_SEQS["cpu"])
 
 
+def max_num_batched_tokens(config: EngineConfig, device: torch.device) -> int:
+    return config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
+        device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
+
+
 def kv_cache_bytes(config: EngineConfig, device: torch.device, args: LlamaArgs, dtype: torch.dtype,
-                   num_seqs: int) -> int:
-    """The KV cache's budget in bytes; call it after the model is on the device."""
+                   num_seqs: int, copies_layer_kv: bool = False) -> int:
+    """The KV cache's budget in bytes; call it after the model is on the device.
+    copies_layer_kv: the backend copies a layer's keys and values out of the cache each step
+    (varlen_packed.py), up to a whole layer's share of it once the cache is full: on CUDA
+    the cache then gets num_layers / (num_layers + 1) of what is free, the rest is that copy's."""
     if config.kv_cache_gib is not None:
         return int(config.kv_cache_gib * 2**30)
     if device.type != "cuda":
         return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
     import torch
     torch.cuda.synchronize(device)
+    # What loading freed (staging copies, the unfused weights) stays in PyTorch's cache,
+    # which mem_get_info counts as used: hand it back before measuring.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve_bytes(args, config.max_num_batched_tokens, num_seqs, dtype.itemsize)
-    return budget_from_free_memory(free, total, config.gpu_memory_utilization, reserve)
+    reserve = activation_reserve_bytes(args, max_num_batched_tokens(config, device), num_seqs, dtype.itemsize)
+    budget = budget_from_free_memory(free, total, config.gpu_memory_utilization, reserve)
+    return budget * args.num_layers // (args.num_layers + 1) if copies_layer_kv else budget
 
 
 def activation_reserve_bytes(args: LlamaArgs, max_num_batched_tokens: int, num_seqs: int, dtype_bytes: int) -> int:

@@ -7,10 +7,29 @@ norms and the (often tied) LM head stay in the model dtype.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+BNB_CAST_LOGGER = "bitsandbytes.autograd._functions"
+
+
+class CastWarningOnce(logging.Filter):
+    """bitsandbytes' MatMul8bitLt logs "inputs will be cast from ... to float16" on every int8
+    matmul of a bf16 or float32 input: every layer, every step. Let it through once."""
+    PREFIX = "MatMul8bitLt: inputs will be cast"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.PREFIX):
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
 
 
 def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
@@ -22,6 +41,9 @@ def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: t
         import bitsandbytes as bnb
     except ImportError as e:
         raise RuntimeError(f"quantization {mode!r} needs bitsandbytes: pip install bitsandbytes") from e
+    cast_logger = logging.getLogger(BNB_CAST_LOGGER)
+    if not any(isinstance(f, CastWarningOnce) for f in cast_logger.filters):
+        cast_logger.addFilter(CastWarningOnce())
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if name in QUANTIZED_LAYERS and isinstance(child, nn.Linear):

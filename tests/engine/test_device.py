@@ -1,5 +1,6 @@
 """dtype "auto" and the device: the model's own dtype where the device computes it
-natively, float32 otherwise; loading allocates the weights once, in the target dtype."""
+natively, float32 otherwise (but bf16 for a float32 checkpoint on a GPU with bf16); loading
+allocates the weights once, in the target dtype."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,18 @@ def test_auto_on_the_cpu_takes_the_model_dtype_only_where_it_is_native(monkeypat
     assert resolve_dtype("auto", CPU, config) == expected
     # transformers >= 5 writes "dtype" instead of "torch_dtype"
     assert resolve_dtype("auto", CPU, {} if saved is None else {"dtype": saved}) == expected
+
+
+@pytest.mark.parametrize("bf16, saved, expected", [
+    (True, "float32", torch.bfloat16),    # FlashAttention and CUDA graphs, half the bytes a step
+    (True, None, torch.bfloat16), (True, "bfloat16", torch.bfloat16), (True, "float16", torch.float16),
+    (False, "float32", torch.float32),    # no bf16 on the GPU: float16's range is too narrow for it
+    (False, "bfloat16", torch.float32), (False, "float16", torch.float16)])
+def test_auto_on_cuda_runs_a_float32_checkpoint_in_bf16_where_the_gpu_has_it(monkeypatch, bf16, saved, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    config = {} if saved is None else {"torch_dtype": saved}
+    assert resolve_dtype("auto", torch.device("cuda"), config) == expected
+    assert resolve_dtype("float32", torch.device("cuda"), config) == torch.float32
 
 
 def test_an_explicit_dtype_is_kept(monkeypatch):

@@ -10,51 +10,19 @@ padding rows, writing nothing outside the real slots and the pad block.
 from __future__ import annotations
 
 import random
-import types
 
 import numpy as np
 import pytest
 import torch
 
+from attention_helpers import BS, CPU, NUM_BLOCKS, hand_made_batch, runner_for, seq
 from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
 from pipeline.layers.attention import HostToDevice, LayerCache, select
 from pipeline.layers.attention.cpu import CpuBackend
 from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenBackend
-from pipeline.engine.cuda_graphs import DecodeGraphs, buckets
-from pipeline.layers.kv_cache import KVCache
-from pipeline.engine.model_runner import ModelRunner
-from pipeline.sampling_params import SamplingParams as Params
-from pipeline.engine.sequence import Sequence
+from pipeline.engine.cuda_graphs import DecodeGraphs, buckets, capture_decode_graphs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
-
-CPU = torch.device("cpu")
-BS = 4            # block size of the hand-made batch
-NUM_BLOCKS = 12   # the pad block is 12
-
-
-def seq(name: str, num_tokens: int, computed: int, table: list[int], drafts: list[int] = ()) -> Sequence:
-    s = Sequence(name, list(range(100, 100 + num_tokens)), Params(), None)
-    s.num_computed_tokens = computed
-    s.block_table = list(table)
-    s.draft_token_ids = list(drafts)
-    return s
-
-
-def hand_made_batch():
-    """In packed order: a decode, a decode with 2 drafts, a fresh prefill, a chunk after 8
-    cached tokens. (sequences, tokens each computes)."""
-    return ([seq("decode", 5, 4, [7, 3]),                     # row 0, position 4 in block 3
-             seq("drafts", 7, 6, [1, 9, 2], drafts=[55, 56]),  # rows 1-3, positions 6, 7, 8
-             seq("fresh", 5, 0, [4, 5]),                      # rows 4-8, positions 0-4
-             seq("chunk", 20, 8, [6, 0, 8, 10, 11])],         # rows 9-11, positions 8-10
-            [1, 3, 5, 3])
-
-
-def runner_for(backend, num_kv_heads=2, head_dim=16, dtype=torch.float32):
-    kv = KVCache(1, num_kv_heads, head_dim, BS, NUM_BLOCKS, dtype, CPU, backend)
-    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[]))
-    return ModelRunner(model, kv, CPU, backend), kv
 
 
 def test_varlen_metadata_of_a_mixed_batch_matches_hand_computed_values():
@@ -175,12 +143,24 @@ def test_varlen_refuses_what_flash_attention_cannot_run():
     with pytest.raises(ValueError, match="int8"):
         ReferenceVarlenBackend().check(16, torch.float32, torch.int8, CPU)
     VarlenBackend().check(512, torch.bfloat16, torch.bfloat16, cuda)
-    assert select("auto", cuda, torch.bfloat16, torch.bfloat16).name == "varlen"
-    assert select("auto", cuda, torch.float32, torch.float32).name == "cpu"
-    assert select("auto", cuda, torch.bfloat16, torch.int8).name == "cpu"
-    assert select("auto", CPU, torch.bfloat16, torch.bfloat16).name == "cpu"
+    assert select("auto", CPU, torch.bfloat16, torch.bfloat16).name == "cpu"   # on CUDA: test_flash_entry.py
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
+
+
+def test_a_failed_capture_leaves_the_engine_eager_and_says_so(tiny_model_dir, monkeypatch, caplog):
+    engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=16, block_size=8,
+                                 max_num_seqs=4, attention_backend="reference"))
+
+    def capture(self):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(DecodeGraphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert capture_decode_graphs(engine.model, 4, 64, 8, engine.runner.kv_cache.pad_block, CPU) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "CUDA graphs could not be captured, every step runs eagerly (slower): operation not permitted when "
+        "stream is capturing"]
 
 
 def test_buckets_cover_every_batch_size():

@@ -10,11 +10,14 @@ Backends (`select`):
 - cpu: the blocked layout [num_blocks, kv_heads, block_size, head_dim] read in place by
   the C kernels (pipeline/kernels), PyTorch paths elsewhere (pipeline/layers/attention/cpu_paged.py). Any
   block size (16 by default); the int8 KV cache. The default on a CPU.
-- varlen: FlashAttention-2 inside PyTorch (torch.nn.attention.varlen.varlen_attn with a
-  block table): one call per layer for the whole packed batch (decodes, speculative rows,
-  prefill chunks with or without cached context). CUDA, float16/bfloat16 only. Layout
-  [num_blocks, block_size, kv_heads, head_dim]; FlashAttention-2's paged KV needs a block
-  size divisible by 256 (256 by default). The default on CUDA in those dtypes.
+- varlen: FlashAttention-2 inside PyTorch (torch.nn.attention.varlen.varlen_attn): one
+  call per layer for the whole packed batch (decodes, speculative rows, prefill chunks
+  with or without cached context). CUDA, float16/bfloat16 only. Layout [num_blocks,
+  block_size, kv_heads, head_dim]. Where varlen_attn takes a block table (torch >= 2.12)
+  it reads the pages in place, and FlashAttention-2's paged KV needs a block size
+  divisible by 256 (256 by default); on torch 2.10/2.11 the pages are gathered each step
+  (varlen_packed.py, block size 16, no CUDA graphs). flash_entry.py tells them apart.
+  The default on CUDA in those dtypes, where a start-up probe passes (choice.py).
 - reference: the same varlen semantics in plain PyTorch (gather pages by block table,
   mask by seqused_k and causality), on any device and dtype, any block size: what tests
   compare with the cpu backend, and what the CPU proof of a graph-break-free decode
@@ -121,6 +124,7 @@ class AttentionBackend:
     default_block_size = 16
     supports_cuda_graphs = False   # its forward reads nothing back to the host, allocates nothing per step on the host
     supports_int8_kv = False
+    copies_layer_kv = False        # its forward copies a layer's keys and values out (memory_budget leaves room)
 
     def check(self, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> None:
         """Raise ValueError when this backend cannot run with these settings."""
@@ -147,18 +151,22 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def select(name: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackend:
-    """The backend called `name`; auto: varlen on CUDA in float16/bfloat16 with a cache of
-    the compute dtype, else cpu (its PyTorch path off the CPU, as before backends existed)."""
+def select(name: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+           heads: tuple[int, int, int] | None = None) -> AttentionBackend:
+    """The backend called `name`; auto: on CUDA the fastest that runs correctly there
+    (choice.py: varlen, else the cpu backend's PyTorch paths, said once in the log), else
+    cpu. heads (query heads, KV heads, head_dim) shape the CUDA start-up probe."""
     if name == "auto":
-        name = ("varlen" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-                and kv_dtype == dtype else "cpu")
+        if device.type == "cuda":
+            from pipeline.layers.attention.choice import cuda_backend
+            return cuda_backend(device, dtype, kv_dtype, heads)
+        name = "cpu"
     if name == "cpu":
         from pipeline.layers.attention.cpu import CpuBackend
         return CpuBackend()
     if name == "varlen":
-        from pipeline.layers.attention.varlen import VarlenBackend
-        return VarlenBackend()
+        from pipeline.layers.attention.choice import varlen_backend
+        return varlen_backend()
     if name == "reference":
         from pipeline.layers.attention.varlen import ReferenceVarlenBackend
         return ReferenceVarlenBackend()

@@ -9,8 +9,10 @@ speculative rows and chunks with a cached prefix need.
 Layout per layer: [num_blocks, block_size, kv_heads, head_dim] (FlashAttention's "pages").
 
 - VarlenBackend: torch.nn.attention.varlen.varlen_attn(..., block_table=, seqused_k=),
-  FlashAttention-2 inside PyTorch: CUDA, float16/bfloat16, block size a multiple of 256
-  (flash_api.cpp: "Paged KV cache block size must be divisible by 256").
+  FlashAttention-2 inside PyTorch (torch >= 2.12; flash_entry.py): CUDA, float16/bfloat16,
+  block size a multiple of 256 (flash_api.cpp: "Paged KV cache block size must be
+  divisible by 256"). torch 2.10/2.11 have no block_table: varlen_packed.py gathers the
+  pages for them.
 - ReferenceVarlenBackend: the same semantics in plain PyTorch, any device, dtype and block
   size. Neither reads anything back to the host in its forward (max_q and max_k are host
   ints from the layout), so both can be captured in a CUDA graph and traced whole.
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from pipeline.layers.attention import AttentionBackend, HostToDevice, LayerCache, StepLayout
+from pipeline.layers.attention.flash_entry import causal_window, installed_varlen_attn
 
 
 @dataclass(slots=True)
@@ -89,23 +92,30 @@ class ReferenceVarlenBackend(AttentionBackend):
         return packed[:tokens]
 
 
+def check_flash(dtype: torch.dtype, device: torch.device) -> None:
+    """FlashAttention-2 runs on CUDA in float16 or bfloat16 only."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("the varlen attention backend (FlashAttention-2) runs on CUDA in float16 or "
+                         f"bfloat16 only, not {device.type} {str(dtype).removeprefix('torch.')}; "
+                         "use attention_backend 'reference' or 'cpu'")
+
+
 class VarlenBackend(ReferenceVarlenBackend):
     name = "varlen"
     default_block_size = 256
     PAGE_MULTIPLE = 256   # FlashAttention-2's paged KV (flash_api.cpp, mha_varlen_fwd)
 
+    def __init__(self, kernel=None):
+        self.kernel = kernel or installed_varlen_attn()   # one with block_table (flash_entry.PAGED)
+
     def check(self, block_size, dtype, kv_dtype, device) -> None:
         super().check(block_size, dtype, kv_dtype, device)
-        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError("the varlen attention backend (FlashAttention-2) runs on CUDA in float16 or "
-                             f"bfloat16 only, not {device.type} {str(dtype).removeprefix('torch.')}; "
-                             "use attention_backend 'reference' or 'cpu'")
+        check_flash(dtype, device)
         if block_size % self.PAGE_MULTIPLE:
             raise ValueError(f"the varlen attention backend needs a block_size divisible by {self.PAGE_MULTIPLE} "
                              f"(FlashAttention-2's paged KV cache), got {block_size}")
 
     def forward(self, q, k, v, cache: LayerCache, meta: VarlenMetadata, scale):
-        from torch.nn.attention.varlen import varlen_attn
-        return varlen_attn(q, cache.k, cache.v, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k,
-                           scale=scale, window_size=(-1, 0), enable_gqa=True,
+        return self.kernel(q, cache.k, cache.v, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k,
+                           scale=scale, window_size=causal_window(meta.max_q), enable_gqa=True,
                            seqused_k=meta.seqused_k, block_table=meta.block_table)

@@ -1,0 +1,152 @@
+"""gpu_check.py's speed lines: the engine's output tok/s on a random Llama model against
+the HBM roofline of its decode, and Hugging Face continuous batching on the same model.
+
+Roofline: decode is memory-bound, so each step of n sequences reads at least the weights
+(once: a tied LM head counted once) and every sequence's keys and values so far. With all
+n sequences decoding together from prompt P to P + T tokens, step t reads
+W + n * (P + t + 1) * kv_bytes_per_token, and the T steps at `bandwidth` bound the output
+rate at n * T / (sum of those bytes / bandwidth). Prefill and host time are ignored (it is
+a ceiling), so the fraction measured against it is conservative. 4.3 TB/s is the device
+copy bandwidth measured on the H200 these checks run on (bytes read and written).
+"""
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import torch
+
+import gpu_models
+from gpu_models import VOCAB, parameter_bytes
+from gpu_report import BudgetExceeded, report
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+
+HBM_BYTES_S = 4.3e12
+ROOFLINE_TARGET, HF_RATIO_TARGET = 0.40, 5.0
+
+
+def check_speed(run) -> None:
+    """gpu_check.py's speed lines (run: its Run). On a CPU a small model, for the code path."""
+    if run.device == "cuda":
+        shape, (n, prompt_len, output_len) = gpu_models.LLAMA_1B, ((64, 128, 128) if run.quick else (256, 128, 512))
+    else:
+        shape, (n, prompt_len, output_len) = gpu_models.SMALL_SPEED, ((8, 32, 16) if run.quick else (32, 64, 64))
+    dtype = torch.bfloat16 if run.device == "cuda" else torch.float32
+    model_dir = gpu_models.build_model(run.tmp / "speed", shape, run.tokenizer, dtype, device=run.device)
+    prompts = workload(n, prompt_len)
+    reserve = 90 if run.device == "cuda" else 15   # seconds kept for the HF peer
+    ours = run_pipeline(model_dir, run.device, prompts, output_len, run.deadline - reserve)
+    roof = roofline_output_tok_s(ours["weight_bytes"], ours["kv_bytes_per_token"], n, prompt_len, output_len)
+    fraction = ours["output_tok_s"] / roof
+    gpu = run.device == "cuda"   # the roofline is the H200's HBM: no number for a CPU
+    status = ("passed" if fraction >= ROOFLINE_TARGET else "failed") if gpu else "measured"
+    report("throughput_pipeline", status, device=run.device, model="llama-3.2-1b-shape" if gpu else "small",
+           dtype=str(dtype).removeprefix("torch."), sequences=n, prompt_tokens=prompt_len,
+           output_tokens_each=output_len, **ours, roofline_output_tok_s=round(roof, 1) if gpu else None,
+           roofline_fraction=round(fraction, 4) if gpu else None, target=ROOFLINE_TARGET, hbm_bytes_s=HBM_BYTES_S)
+    try:
+        if run.left() < 30:
+            report("throughput_hf_continuous_batching", "skipped", reason=f"wall-clock budget: {run.left():.0f} s left")
+            return
+        theirs = run_hf_continuous_batching(model_dir, run.device, prompts, output_len)
+    except BudgetExceeded:
+        raise
+    except Exception as e:
+        report("throughput_hf_continuous_batching", "error", error=f"{type(e).__name__}: {e}"[:400])
+        return
+    report("throughput_hf_continuous_batching", "measured", device=run.device, **theirs)
+    ratio = ours["output_tok_s"] / theirs["output_tok_s"]
+    status = ("passed" if ratio >= HF_RATIO_TARGET else "failed") if run.device == "cuda" else "measured"
+    report("throughput_vs_hf_continuous_batching", status, ratio=round(ratio, 2), target=HF_RATIO_TARGET)
+
+
+def workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, VOCAB) for _ in range(prompt_len)] for _ in range(n)]
+
+
+def roofline_output_tok_s(weight_bytes: int, kv_bytes_per_token: int, n: int, prompt_len: int, output_len: int,
+                          bandwidth: float = HBM_BYTES_S) -> float:
+    context = sum(prompt_len + t + 1 for t in range(output_len))   # per sequence, over the T steps
+    seconds = (output_len * weight_bytes + n * context * kv_bytes_per_token) / bandwidth
+    return n * output_len / seconds
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: int, deadline: float) -> dict:
+    """Every prompt queued at once, greedy, exactly output_len tokens each (ignore_eos),
+    stepped until done or the deadline; counts the steps replayed from CUDA graphs."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    max_len = len(prompts[0]) + output_len
+    engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len,
+                                 max_num_seqs=len(prompts), kv_cache_gib=16 if device == "cuda" else 1))
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        list(engine.generate([Request(f"warm{i}", prompt_token_ids=p, params=SamplingParams(temperature=0.0,
+                                      max_tokens=4, ignore_eos=True)) for i, p in enumerate(prompts[:2])]))
+        engine.reset_prefix_cache()
+        replays = [0]
+        if engine.runner.graphs is not None:
+            replay = engine.runner.graphs.replay
+
+            def counted(*args):
+                replays[0] += 1
+                return replay(*args)
+            engine.runner.graphs.replay = counted
+        for i, p in enumerate(prompts):
+            if refused := engine.add_request(Request(f"r{i}", prompt_token_ids=p, params=greedy)):   # no assert: -O drops it
+                raise RuntimeError(f"request r{i} refused: {refused[0].error}")
+        outputs, steps = [], 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests and time.perf_counter() < deadline:
+            outputs.extend(engine.step())
+            steps += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        unfinished = engine.scheduler.unfinished()
+        produced = sum(o.output_tokens for o in outputs) + sum(s.num_output_tokens for s in unfinished)
+        errors = [o.error for o in outputs if o.error]
+        engine.abort([s.request_id for s in unfinished])
+        args = engine.model.args
+        kv_bytes = args.num_layers * 2 * args.num_kv_heads * args.head_dim * engine.runner.kv_cache.k.element_size()
+        return dict(output_tokens=produced, seconds=round(seconds, 3), output_tok_s=round(produced / seconds, 1),
+                    steps=steps, graph_steps=replays[0], truncated_by_budget=bool(unfinished),
+                    errors=errors[:3], backend=type(engine.attention_backend).__name__,
+                    weight_bytes=parameter_bytes(engine.model), kv_bytes_per_token=kv_bytes,
+                    max_num_batched_tokens=engine.scheduler.max_num_batched_tokens)
+    finally:
+        del engine
+        free_memory()
+
+
+def run_hf_continuous_batching(model_dir, device: str, prompts: list[list[int]], output_len: int) -> dict:
+    """transformers' generate_batch (continuous batching) on the same prompts, greedy, EOS off,
+    in bf16 on CUDA (float32 on a CPU); a short warm-up call first."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if not hasattr(model, "generate_batch"):
+        raise NotImplementedError("this transformers has no generate_batch (continuous batching)")
+    try:
+        def config(tokens):
+            return GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate_batch(inputs=prompts[:2], generation_config=config(4))
+        start = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=config(output_len))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        produced = sum(len(o.generated_tokens) for o in out.values())
+        return dict(output_tokens=produced, seconds=round(seconds, 3), output_tok_s=round(produced / seconds, 1),
+                    requests=len(out), dtype=str(dtype).removeprefix("torch."))
+    finally:
+        del model
+        free_memory()
