@@ -60,5 +60,7 @@ def request_key(line: dict, engine: str | None) -> str | None:
     None when its answer is not deterministic (or the engine has no fingerprint)."""
     if engine is None or not is_deterministic(line):
         return None
-    body = {k: v for k, v in line.items() if k not in NOT_IN_KEY}
+    body = line.copy()
+    for name in NOT_IN_KEY:
+        body.pop(name, None)
     return hashlib.blake2b(engine.encode() + _encode(body), digest_size=16).hexdigest()
