@@ -40,13 +40,11 @@ def write_shards(lines: Iterable[bytes], shard_dir: str | Path, shard_size: int)
     lines = iter(lines)
     sizes: list[int] = []
     with SyncedFolder(shard_dir) as folder:
-        while (first := next(lines, None)) is not None:
+        while shard := list(itertools.islice(lines, shard_size)):
             with folder.create(input_shard_name(len(sizes))) as f:
-                n = 0
-                for line in itertools.chain([first], itertools.islice(lines, shard_size - 1)):
-                    f.write(line + b"\n")
-                    n += 1
-            sizes.append(n)
+                shard.append(b"")   # each line ends with a newline, the last too
+                f.write(b"\n".join(shard))
+            sizes.append(len(shard) - 1)
     return sizes
 
 
