@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import MISSING, fields
+from typing import Annotated
+
+from msgspec import Meta
 
 from pipeline.sampling_params import SamplingParams
 
@@ -128,10 +131,14 @@ def int_in(lo: int, hi: int | None):
             allowed = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise Bad(f"{name} must be {allowed}, got {v}")
         return v
+    check.type = Annotated[int, Meta(ge=lo, le=hi)]   # the same range for msgspec (jobs.plain_lines)
     return check
 
 
-def _float_in(ok, allowed: str):
+def _float_in(lo: float, hi: float | None, allowed: str, *, open_lo: bool = False, open_hi: bool = False):
+    def ok(x: float) -> bool:
+        return (x > lo if open_lo else x >= lo) and (hi is None or (x < hi if open_hi else x <= hi))
+
     def check(name, v, _):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise Bad(f"{name} must be a number {allowed}, got {describe(v)}")
@@ -142,10 +149,12 @@ def _float_in(ok, allowed: str):
         if not math.isfinite(x) or not ok(x):
             raise Bad(f"{name} must be a number {allowed}, got {describe(v)}")
         return x
+    check.type = Annotated[float, Meta(**{"gt" if open_lo else "ge": lo},
+                                       **({} if hi is None else {"lt" if open_hi else "le": hi}))]
     return check
 
 
-_positive = _float_in(lambda x: x > 0, "> 0")
+_positive = _float_in(0, None, "> 0", open_lo=True)
 
 
 def _stop(name, v, _):
@@ -161,6 +170,10 @@ def _stop(name, v, _):
     return list(items)
 
 
+_NON_EMPTY = Annotated[str, Meta(min_length=1)]
+_stop.type = _NON_EMPTY | Annotated[list[_NON_EMPTY], Meta(max_length=16)]   # strings still to be checked encodable
+
+
 def _logit_bias(name, v, _):
     """OpenAI's form: token ids as strings -> a bias in [-100, 100]; at most 300 of them."""
     if not isinstance(v, dict):
@@ -171,7 +184,7 @@ def _logit_bias(name, v, _):
     for token, bias in v.items():
         if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 9):
             raise Bad(f"{name} keys must be token ids (digits), got {token!r}")
-        out[str(int(token))] = _float_in(lambda x: -100 <= x <= 100, "between -100 and 100")(
+        out[str(int(token))] = _float_in(-100, 100, "between -100 and 100")(
             f"{name}[{token!r}]", bias, None)
     return out
 
@@ -180,6 +193,9 @@ def _bool(name, v, _):
     if not isinstance(v, bool):
         raise Bad(f"{name} must be true or false, got {describe(v)}")
     return v
+
+
+_bool.type = bool
 
 
 
@@ -298,13 +314,13 @@ def describe(v) -> str:
 # The sampling settings an input line may give, each with the range a job accepts.
 SAMPLING_CHECKS = {
     "max_tokens": int_in(1, 1_000_000),
-    "temperature": _float_in(lambda x: 0 <= x <= 2, "between 0 and 2"),
-    "top_p": _float_in(lambda x: 0 < x <= 1, "in (0, 1]"),
+    "temperature": _float_in(0, 2, "between 0 and 2"),
+    "top_p": _float_in(0, 1, "in (0, 1]", open_lo=True),
     "top_k": int_in(0, None),
-    "min_p": _float_in(lambda x: 0 <= x <= 1, "in [0, 1]"),
-    "repetition_penalty": _float_in(lambda x: 0 < x <= 10, "in (0, 10]"),
-    "frequency_penalty": _float_in(lambda x: -2 <= x <= 2, "between -2 and 2"),
-    "presence_penalty": _float_in(lambda x: -2 <= x <= 2, "between -2 and 2"),
+    "min_p": _float_in(0, 1, "in [0, 1]"),
+    "repetition_penalty": _float_in(0, 10, "in (0, 10]", open_lo=True),
+    "frequency_penalty": _float_in(-2, 2, "between -2 and 2"),
+    "presence_penalty": _float_in(-2, 2, "between -2 and 2"),
     "logit_bias": _logit_bias,
     "seed": int_in(-2**63, 2**63 - 1),
     "stop": _stop,

@@ -55,17 +55,24 @@ class RequestSpec:
 _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
 _values = attrgetter(*_SPEC_FIELDS)   # every field at once, in C
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
-_OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
+OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
                     "n": 1, "echo": False, "input": None, "dimensions": None, "encoding_format": None,
                     "key": None}
 
 
-def request_line(fields: dict) -> dict:
+def request_line(fields: dict, optional: tuple[tuple[str, object], ...] | None = None) -> dict:
     """A request's shard-file line from its fields (every required one; optional ones may be
-    left out): the _OPTIONAL_FIELDS only when they differ from their defaults, so lines stay
+    left out): the OPTIONAL_FIELDS only when they differ from their defaults, so lines stay
     short and older ones read the same. What input validation yields for each valid line
     (jobs.spec.Scan: a dict costs a fraction of a RequestSpec made and then turned into one);
-    RequestSpec.from_dict makes the request of it."""
-    return {name: value for name, value in fields.items()
-            if name not in _OPTIONAL_FIELDS or value != _OPTIONAL_FIELDS[name]}
+    RequestSpec.from_dict makes the request of it. optional: the (field, default) pairs to
+    look at when only those can be there (None: every optional field). `fields` itself
+    becomes the line."""
+    for name, default in optional or _OPTIONAL_ITEMS:
+        if fields.get(name, default) == default:
+            fields.pop(name, None)
+    return fields
+
+
+_OPTIONAL_ITEMS = tuple(OPTIONAL_FIELDS.items())

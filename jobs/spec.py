@@ -28,9 +28,10 @@ from jobs.embedding_fields import (
 from jobs.atomic import describe_file_type
 from jobs.input_file import open_regular_file, read_lines
 from jobs.request_fields import (
-    DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
+    CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body,
     request_inputs, request_timeout, sampling_settings, string, too_deep,
 )
+from jobs.plain_lines import PlainLines
 from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
 from jobs.unique_ids import IdLog
 from jobs.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete   # re-exported
@@ -42,6 +43,7 @@ _BOM = b"\xef\xbb\xbf"
 _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+_PLAIN_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 # The fields whose checks give the answer's form (jobs.answer_fields); a line without any has none.
 _SHAPING_KEYS = frozenset({*STRUCTURED_KEYS, *TOOL_KEYS, "logprobs", "top_logprobs", "echo"})
 
@@ -145,7 +147,7 @@ class _Reader:
     """The checks of each request line, in file order; learns the file's format as it goes."""
 
     def __init__(self, limits: Limits, job_model: str | tuple[str, ...] | None = None,
-                 seed: RangeOutcome | None = None):
+                 seed: RangeOutcome | None = None, plain: bool = True):
         # job_model: the job's model (a line may name it as given or by its directory's name),
         # or the exact names it is served as (--served-model-name).
         self.limits = limits
@@ -160,6 +162,8 @@ class _Reader:
             self.input_format, self.format_line = seed.input_format, seed.format_line
             self.endpoint, self.endpoint_line = seed.endpoint, seed.endpoint_line
         self.ids = IdLog()                       # every id claimed, with its line (jobs.unique_ids)
+        # plain lines checked at C speed (jobs.plain_lines); False: every line by the full checks
+        self._plain = PlainLines(limits.max_id_chars, limits.max_prompt_chars, self.model_names) if plain else None
         self.request_lines = 0
 
     def read(self, f: BinaryIO, first_line: int = 1, end: int | None = None,
@@ -193,6 +197,11 @@ class _Reader:
             first = "an OpenAI batch line" if self.input_format == "openai" else "in the pipeline format"
             raise Bad(f"{what} in a file whose first request (line {self.format_line}) is {first}; "
                        "a file must use one format throughout")
+        if self._plain is not None and (line := self._plain_line(number, obj, fmt)) is not None:
+            if line["id"] is None:
+                line["id"] = _default_id(number)
+            self._claim(number, line["id"], [])
+            return line
         problems: list[str] = []
         if fmt == "openai":
             rid, model, req, labels = self._openai(number, obj, problems)
@@ -225,6 +234,13 @@ class _Reader:
         return request_line({"id": rid, "line": number, **inputs, **sampling, "model": model, "timeout_s": timeout_s,
                              "structured_output": structured, "tools": tools, "tool_call": tool_call,
                              "logprobs": logprobs, "echo": echo})
+
+    def _plain_line(self, number: int, obj: dict, fmt: str) -> dict | None:
+        """The line's request line by jobs.plain_lines (None: the full checks decide), once the
+        file's start has settled what its lines must be."""
+        if fmt == "pipeline":
+            return self._plain.pipeline(number, obj) if self.endpoint_line is not None and self.endpoint is None else None
+        return self._plain.openai(number, obj, self.endpoint) if self.endpoint in _PLAIN_ENDPOINTS else None
 
     def _embedding(self, number: int, rid: str | None, model: str | None, req: dict, problems: list[str]):
         """An embedding request's spec: its inputs, dimensions and output encoding."""
