@@ -44,7 +44,6 @@ class RangeTask:
     seed: RangeOutcome | None               # the file's start: its format and endpoint
     shard_dir: str | None = None            # where its shards go (None: validate only)
     shard_size: int = 1
-    engine: str | None = None               # the engine fingerprint the request keys are made on
 
 
 @dataclass
@@ -60,22 +59,21 @@ def scan_range(task: RangeTask) -> RangeResult:
         for _ in scan:
             pass
         return RangeResult(scan.outcome, [])
-    sizes = write_shards((shard_line(line, task.engine) for line in scan), task.shard_dir, task.shard_size)
+    sizes = write_shards(map(shard_line, scan), task.shard_dir, task.shard_size)
     return RangeResult(scan.outcome, sizes)
 
 
 def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
              ranges: int | None = None) -> Validation:
     """The Validation of the whole file (jobs.spec.validate's), its ranges scanned in parallel."""
-    return _scan_file(path, limits, model, None, 1, None, ranges)[0]
+    return _scan_file(path, limits, model, None, 1, ranges)[0]
 
 
 def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Limits = Limits(), *,
-                       model: str | tuple[str, ...] | None = None, engine: str | None = None,
+                       model: str | tuple[str, ...] | None = None,
                        ranges: int | None = None) -> tuple[Validation, list[int]]:
     """Validate the input file `path` (against the job's `model`) and shard it, in one
-    streaming pass; returns the validation and the shard sizes. engine: the fingerprint
-    each shard line's request key is made on (jobs.request_key; None: no keys).
+    streaming pass; returns the validation and the shard sizes.
     ranges: how many line ranges to scan at once (None: one a core, for a large file).
 
     The shards are written into a hidden folder beside shard_dir, renamed to shard_dir
@@ -87,7 +85,7 @@ def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Lim
     shard_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{shard_dir.name}.", suffix=".partial", dir=shard_dir.parent))
     try:
-        validation, sizes = _scan_file(path, limits, model, partial, shard_size, engine, ranges)
+        validation, sizes = _scan_file(path, limits, model, partial, shard_size, ranges)
         if not validation.ok:
             raise InvalidInput(validation)
         replace_durably(partial, shard_dir)
@@ -96,12 +94,12 @@ def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Lim
     return validation, sizes
 
 
-def _scan_file(path, limits: Limits, model, shard_dir: Path | None, shard_size: int, engine: str | None,
+def _scan_file(path, limits: Limits, model, shard_dir: Path | None, shard_size: int,
                ranges: int | None) -> tuple[Validation, list[int]]:
     path = str(path)
     spans, seed = _plan(path, limits, model, ranges)
     tasks = [RangeTask(path, limits, model, span, seed if i else None,
-                       None if shard_dir is None else str(shard_dir / f"range-{i}"), shard_size, engine)
+                       None if shard_dir is None else str(shard_dir / f"range-{i}"), shard_size)
              for i, span in enumerate(spans)]
     children = [_start_child(task) for task in tasks[1:]]
     try:

@@ -1,8 +1,8 @@
 """Input shard files: the format of a line, one writer for a new job's shards and for a
 retry's, and the reader.
 
-A shard file holds up to shard_size request lines (RequestSpec.to_dict() as JSON, with its
-request key), in input order; each is written atomically, so a shard file is always
+A shard file holds up to shard_size request lines (RequestSpec.to_dict() as JSON), in
+input order; each is written atomically, so a shard file is always
 complete. A new job's shards are written by the pass that validates its file (jobs.file_scan).
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import msgspec
 
 from jobs.atomic import SyncedFolder
 from jobs.paths import JobPaths, input_shard_name
-from jobs.request_key import request_key
 from jobs.spec import RequestSpec
 
 _encode = msgspec.json.Encoder().encode   # C speed: a 1,000,000-line file makes 1,000,000 of these
@@ -48,12 +47,8 @@ def write_shards(lines: Iterable[bytes], shard_dir: str | Path, shard_size: int)
     return sizes
 
 
-def shard_line(line: dict, engine: str | None) -> bytes:
-    """A request line (jobs.request_spec.request_line) as written to its shard, with its key
-    on the engine of that fingerprint (jobs.request_key; none for a request whose answer is
-    not deterministic)."""
-    if (key := request_key(line, engine)) is not None:
-        line["key"] = key
+def shard_line(line: dict) -> bytes:
+    """A request line (jobs.request_spec.request_line) as written to its shard."""
     return _encode(line)
 
 

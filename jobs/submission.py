@@ -90,12 +90,12 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
     check_shard_size(shard_size)
     job_paths = JobPaths(root, job_id)
     try:
-        # Every deterministic line gets its answer's key (the lineage of its rows; with reuse,
-        # what its shard looks up first: jobs.reuse).
+        # The engine's fingerprint, on which a shard makes its requests' keys (jobs.request_key:
+        # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse).
         engine = engine_fingerprint(engine_options)
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
-                                                     model=tuple(served_names) or model, engine=engine)
+                                                     model=tuple(served_names) or model)
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):

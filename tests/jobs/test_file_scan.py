@@ -50,8 +50,8 @@ def shard_lines(directory, sizes):
 @pytest.mark.parametrize("ranges", [2, 3, 5])
 def test_a_valid_file_in_ranges_gives_the_one_pass_outcome_and_the_same_requests(tmp_path, ranges):
     path = write(tmp_path, generation_lines(120))
-    one, sizes_one = write_input_shards(path, tmp_path / "one", 8, engine="e" * 32, ranges=1)
-    many, sizes_many = write_input_shards(path, tmp_path / "many", 8, engine="e" * 32, ranges=ranges)
+    one, sizes_one = write_input_shards(path, tmp_path / "one", 8, ranges=1)
+    many, sizes_many = write_input_shards(path, tmp_path / "many", 8, ranges=ranges)
     assert outcome(many) == outcome(one) == outcome(validate_in_one_pass(path)) and one.ok
     assert sum(sizes_many) == sum(sizes_one) == one.num_requests
     assert len(sizes_many) > len(sizes_one)                      # each range ends with a shard of its own
