@@ -16,7 +16,6 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger
-from jobs.finalize import abandon_job, finalize_job
 from jobs.ledger import JobStatus
 from jobs.settings import Settings
 from workers import broker
@@ -48,6 +47,7 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
     try:
         broker.enqueue_job(settings, job_id, len(sizes), job.engine_key, job.priority, prefix=job.queue)
     except Exception as e:
+        from jobs.finalize import abandon_job   # results and Parquet: only on this path (pyarrow: 0.5 s, 40 MB)
         abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
         raise EnqueueFailed(job_id, e) from None
     return job
@@ -59,6 +59,7 @@ def cancel(Session: sessionmaker[Session], root, job: ledger.Job) -> ledger.Job:
     with Session() as s:
         if not ledger.request_cancel(s, job.id) and job.status not in (JobStatus.CANCELLING, JobStatus.CANCELLED):
             raise NotCancellable(job.id, job.status)
+    from jobs.finalize import finalize_job
     finalize_job(Session, root, job.id)   # at once when no shard is running
     with Session() as s:
         return ledger.get_job(s, job.id)
