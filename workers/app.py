@@ -20,12 +20,14 @@ from kombu import Queue
 from jobs.scheduling import PRIORITY_STEPS
 from jobs.settings import Settings
 from pipeline.engine_key import engine_key
+from jobs.arrow_pool import use_system_allocator
 from pipeline.host_memory import use_one_malloc_arena
 
 # First, before numpy and pyarrow start their threads: the engine steps in a thread of
 # its own and must share the main malloc arena (pipeline/host_memory.py). `pipeline
 # worker` has set it already; this covers `celery -A workers.app worker`.
 use_one_malloc_arena()
+use_system_allocator()   # and results written through the system's malloc (jobs/arrow_pool.py)
 
 # workers.lifecycle holds the signal handlers: importing it connects them.
 app = Celery("pipeline", include=["workers.tasks", "workers.lifecycle"])

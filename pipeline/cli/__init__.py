@@ -63,6 +63,8 @@ def main():
     # Before any thread starts: the engine steps in a thread of its own (see host_memory).
     from pipeline.host_memory import use_one_malloc_arena
     use_one_malloc_arena()
+    from jobs.arrow_pool import use_system_allocator   # before pyarrow is imported (see arrow_pool)
+    use_system_allocator()
 
 
 for command in (job_commands.submit_command, job_commands.run_command, job_commands.resume_command,
