@@ -28,7 +28,7 @@ from jobs.atomic import replace_durably, sync_directory
 from jobs.paths import input_shard_name
 from jobs.shards import check_shard_size, shard_line, write_shards
 from jobs.spec import Scan, _Reader, claimed_ids, open_input
-from jobs.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete
+from jobs.validation import InvalidInput, Limits, RangeOutcome, Validation, complete
 
 MIN_RANGE_BYTES = 16 * 1024**2   # below this a child process costs more than it saves
 _COUNT_CHUNK = 16 * 1024**2
@@ -210,4 +210,4 @@ def _finish_child(child: subprocess.Popen, task: RangeTask) -> RangeResult:
     return pickle.loads(data)
 
 
-__all__ = ["LineError", "MIN_RANGE_BYTES", "RangeTask", "scan_range", "validate", "write_input_shards"]
+__all__ = ["MIN_RANGE_BYTES", "RangeTask", "scan_range", "validate", "write_input_shards"]

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from jobs.request_fields import CHAT_ENDPOINT, CHAT_ROLES, SAMPLING_CHECKS, SAMPLING_DEFAULTS, _positive
+from jobs.request_fields import CHAT_ENDPOINT, CHAT_ROLES, SAMPLING_CHECKS, SAMPLING_DEFAULTS, TIMEOUT_CHECK
 from jobs.request_spec import OPTIONAL_FIELDS, request_line
 
 _Message = msgspec.defstruct("PlainMessage", [("role", Literal[CHAT_ROLES]), ("content", str)],
@@ -32,7 +32,7 @@ _SAMPLING = [(name, check.type, msgspec.field(default_factory=list) if name == "
 _PipelineLine = msgspec.defstruct(
     "PlainPipelineLine",
     [("id", str | None, None), ("prompt", str | None, None), ("messages", _Messages | None, None),
-     ("timeout_s", _positive.type | None, None), *_SAMPLING],
+     ("timeout_s", TIMEOUT_CHECK.type | None, None), *_SAMPLING],
     forbid_unknown_fields=True)
 _OpenAILine = msgspec.defstruct("PlainOpenAILine", [("custom_id", str), ("method", Literal["POST"]), ("url", str),
                                                     ("body", dict)], forbid_unknown_fields=True)

@@ -112,7 +112,7 @@ _CHECKED_MAX = 1 << 16
 def request_timeout(req: dict, problems: list[str]) -> float | None:
     """A line's own timeout_s (seconds it may run once started), or None."""
     value = req.get("timeout_s")
-    return None if value is None else check(_positive, "timeout_s", value, None, problems)
+    return None if value is None else check(TIMEOUT_CHECK, "timeout_s", value, None, problems)
 
 
 def check(fn, name: str, value, arg, problems: list[str]):
@@ -154,7 +154,7 @@ def _float_in(lo: float, hi: float | None, allowed: str, *, open_lo: bool = Fals
     return check
 
 
-_positive = _float_in(0, None, "> 0", open_lo=True)
+TIMEOUT_CHECK = _float_in(0, None, "> 0", open_lo=True)   # a line's timeout_s
 
 
 def _stop(name, v, _):
