@@ -6,7 +6,7 @@ adding the one check no range can make alone: each id once in the file (jobs.uni
 """
 from __future__ import annotations
 
-import bisect
+import heapq
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -116,6 +116,7 @@ def complete(outcomes: list[RangeOutcome], limits: Limits,
     if found:
         bad_lines = {line for o in outcomes for line in o.error_lines}
         kept = {e.line: i for i, e in enumerate(errors) if e.line is not None}
+        added: list[LineError] = []   # the lines that were valid but for their id, in line order
         for line, (rid, first_line) in sorted(found.items()):
             message = duplicate_message(rid, first_line)
             if line in bad_lines:   # the line's own problems already made it an error: one more problem
@@ -124,10 +125,8 @@ def complete(outcomes: list[RangeOutcome], limits: Limits,
                 continue
             num_requests -= 1
             num_errors += 1
-            lines = [e.line if e.line is not None else 0 for e in errors]
-            at = bisect.bisect(lines, line)
-            if at < limits.max_errors_kept:
-                errors.insert(at, LineError(line, message))
-                kept = {e.line: i for i, e in enumerate(errors) if e.line is not None}
-        del errors[limits.max_errors_kept:]
+            if len(added) < limits.max_errors_kept:
+                added.append(LineError(line, message))
+        # One merge by line (a file-level error first), not an insert per duplicate: linear in them.
+        errors = list(heapq.merge(errors, added, key=lambda e: e.line or 0))[:limits.max_errors_kept]
     return Validation(num_requests, errors, num_errors, first.input_format or "pipeline", first.endpoint)
