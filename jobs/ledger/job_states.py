@@ -85,8 +85,12 @@ def retries_of(s: Session, job_id: str) -> list[Job]:
     return jobs
 
 
-def get_shards(s: Session, job_id: str) -> list[Shard]:
+def get_shards(s: Session, job_id: str, status: str | None = None) -> list[Shard]:
+    """The job's shards in order; status: only those in it (a large job's status page needs
+    only its running ones, not thousands of rows)."""
     stmt = select(Shard).where(Shard.job_id == job_id).order_by(Shard.index)
+    if status is not None:
+        stmt = stmt.where(Shard.status == status)
     shards = list(s.scalars(stmt.execution_options(populate_existing=True)))
     s.commit()
     return shards

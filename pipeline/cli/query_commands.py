@@ -8,7 +8,7 @@ import click
 
 from pipeline.cli import render
 from pipeline.cli.errors import EXIT_USAGE, Fail
-from jobs.states import JobStatus
+from jobs.states import JobStatus, ShardStatus
 from pipeline.cli.job_commands import check_job_id, get_job, sessions, waiting_for_worker, worker_command_for
 from pipeline.cli.options import settings_options
 
@@ -27,7 +27,8 @@ def status_command(job_id, as_json, settings):
     with Session() as s:
         jobs = [get_job(s, job_id)] if job_id else ledger.list_jobs(s)
         counts = {job.id: ledger.job_counts(s, job.id) for job in jobs}
-        shards = ledger.get_shards(s, job_id) if job_id else []
+        # next_step and the worker check look only at shards held under a lease
+        shards = ledger.get_shards(s, job_id, ShardStatus.RUNNING) if job_id else []
         retries = ledger.retries_of(s, job_id) if job_id else []
     if as_json:
         objects = [render.batch(job, counts[job.id]) for job in jobs]
