@@ -7,7 +7,8 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "nf4", "w8a8")   # int8, nf4: bitsandbytes; w8a8: CPU int8
+# int8, nf4: bitsandbytes; w8a8: CPU int8; fp8, w8a16, w4a16: PyTorch ops for CUDA (layers/weight_quant.py)
+QUANTIZATIONS = ("none", "int8", "nf4", "w8a8", "fp8", "w8a16", "w4a16")
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("none", "ngram")
 ATTENTION_BACKENDS = ("auto", "cpu", "varlen", "reference")   # pipeline/layers/attention

@@ -90,7 +90,12 @@ _ENGINE_OPTIONS = {
     "quantization": dict(type=click.Choice(QUANTIZATIONS),
                          help="int8 (LLM.int8), nf4: bitsandbytes (any device). w8a8: CPU only, int8 weights "
                               "and int8 activations per token on fbgemm: less CPU time than float32, perplexity "
-                              "+2.3% on the bundled model: no default (README, Quantization)  [default: none]"),
+                              "+2.3% on the bundled model: no default. fp8: e4m3 weights and per-token "
+                              "activations on FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper). "
+                              "w8a16: int8 weights (half of bf16's memory). w4a16: int4 weights in groups of 128 "
+                              "(tinygemm; a quarter). All three quantize layer by layer while loading, so a model "
+                              "that fits only quantized loads; they run on a CPU too, slowly (README, "
+                              "Quantization)  [default: none]"),
     "kv_cache_gib": dict(help="Memory budget of the KV cache  [default: 1 on a CPU; on CUDA what "
                               "--gpu-memory-utilization leaves once the model is loaded]"),
     "gpu_memory_utilization": dict(type=FiniteFloat(0, 1, min_open=True),

@@ -1,16 +1,25 @@
-"""Weight quantization by module swap: bitsandbytes int8 (LLM.int8) or nf4, or w8a8 on a CPU.
+"""Weight quantization by module swap: PyTorch's own fp8, w8a16 and w4a16 (weight_quant.py,
+made for CUDA, with CPU twins), bitsandbytes int8 (LLM.int8) or nf4, or w8a8 on a CPU.
 
-The decoder's linear layers are replaced by bitsandbytes modules holding quantized
-weights (any device), or for w8a8 by int8_linear.Int8Linear (CPU only: fbgemm's int8
-GEMM, faster than float32 there, where bitsandbytes' CPU kernels are slower); embeddings,
-norms and the (often tied) LM head stay in the model dtype.
+The decoder's linear layers are replaced by weight_quant's modules, by bitsandbytes
+modules holding quantized weights (any device), or for w8a8 by int8_linear.Int8Linear
+(CPU only: fbgemm's int8 GEMM, faster than float32 there, where bitsandbytes' CPU kernels
+are slower); embeddings, norms and the (often tied) LM head stay in the model dtype.
+
+All but w8a8 quantize one linear at a time (`linear_quantizer`): the loader hands each
+decoder linear over as soon as its checkpoint tensors are read, so a model that fits on
+the device only quantized loads (pipeline/models/loader.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from pipeline.layers import weight_quant
 
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 BNB_CAST_LOGGER = "bitsandbytes.autograd._functions"
@@ -33,10 +42,29 @@ class CastWarningOnce(logging.Filter):
 
 
 def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    """Swap the decoder linears of a loaded model (the engine quantizes while loading instead)."""
     if mode == "none":
         return model
     if mode == "w8a8":
         return _quantize_w8a8(model, device)
+    swap = linear_quantizer(mode, device, compute_dtype)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in QUANTIZED_LAYERS and isinstance(child, nn.Linear):
+                setattr(parent, name, swap(child))
+    return model
+
+
+def linear_quantizer(mode: str, device: torch.device,
+                     compute_dtype: torch.dtype) -> Callable[[nn.Linear], nn.Module] | None:
+    """The function that turns one decoder nn.Linear (on any device, the CPU while loading)
+    into its quantized module on `device`; None where the model is quantized after loading
+    ("none": not at all, "w8a8"). Refuses a device that cannot run the mode, at once."""
+    if mode in ("none", "w8a8"):
+        return None
+    if mode in weight_quant.MODES:
+        weight_quant.check_device(mode, device)
+        return functools.partial(weight_quant.quantized_linear, mode, device=device, compute_dtype=compute_dtype)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
@@ -44,11 +72,7 @@ def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: t
     cast_logger = logging.getLogger(BNB_CAST_LOGGER)
     if not any(isinstance(f, CastWarningOnce) for f in cast_logger.filters):
         cast_logger.addFilter(CastWarningOnce())
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if name in QUANTIZED_LAYERS and isinstance(child, nn.Linear):
-                setattr(parent, name, _quantized_linear(bnb, child, mode, device, compute_dtype))
-    return model
+    return functools.partial(_quantized_linear, bnb, mode=mode, device=device, compute_dtype=compute_dtype)
 
 
 def _quantized_linear(bnb, linear: nn.Linear, mode: str, device, compute_dtype) -> nn.Module:
