@@ -22,6 +22,13 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
   prompts, 512-token outputs (--quick: 64 x 128 x 128 on CUDA; a small model on a CPU):
   output tok/s and its share of the HBM roofline (target 0.40), then Hugging Face
   continuous batching on the same GPU in bf16 (target: ours at least 5x).
+- fp8, w8a16, w4a16 (PyTorch's own ops, pipeline/layers/weight_quant.py; fp8 skipped below
+  compute capability 8.9): each mode's layer on the device against its reference() (the
+  CUDA formula in plain PyTorch, on the CPU, from the same quantized tensors), numerics_<mode>
+  like numerics_bf16 (bf16 activations, the quantized engine against CPU float32), the
+  matrix-product kernels of one 1B-shaped decoder layer against bf16 at 1, 16 and 256 rows
+  (gpu_quant.py), and throughput_<mode> on throughput_pipeline's workload against its bf16
+  number (fp8's target: 1.0x or more).
 A wall-clock budget (--budget-s, 450 s) skips what no longer fits and stops a check that
 overruns; the summary still prints.
 """
@@ -43,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the engine, 
 import torch  # noqa: E402
 
 import gpu_models  # noqa: E402
+import gpu_quant  # noqa: E402
 import gpu_speed  # noqa: E402
 from gpu_report import REPORTED, BudgetExceeded, report  # noqa: E402
 from pipeline import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
@@ -191,6 +199,41 @@ def check_numerics_bf16(run: Run) -> None:
            greedy_agreement_before_first_difference=share_before_first_difference(got, ref["tokens"]))
 
 
+# Quantized logits (bf16 activations) against CPU float32, as numerics_bf16: mean |error|
+# over the logits' spread and the share of positions with the same top token. Measured with
+# --quick on a CPU, where the same arithmetic runs (bf16 unquantized: 0.0068 and 0.96):
+# fp8 0.068 and 0.85, w8a16 0.018 and 0.93, w4a16 (groups of 128) 0.20 and 0.39. A random
+# model is the worst case for them (no outliers to keep, every weight counts; the LM head,
+# unquantized, is scaled x40); the bounds are those numbers with room for bf16's own noise,
+# there to catch a broken kernel (error ~1, top-1 ~0), not to rate the modes.
+QUANT_MEAN_REL_ERROR = {"fp8": 0.095, "w8a16": 0.03, "w4a16": 0.28}
+QUANT_TOP1_EQUAL = {"fp8": 0.75, "w8a16": 0.85, "w4a16": 0.28}
+
+
+def check_numerics_quantized(run: Run) -> None:
+    ref = run.reference
+    spread = torch.cat(ref["logits"]).std().item()
+    modes, skipped = gpu_quant.runnable_modes(run.device)
+    for mode, reason in skipped.items():
+        report(f"numerics_{mode}", "skipped", reason=reason)
+    for mode in modes:
+        engine = run.engine(device=run.device, dtype="bfloat16", quantization=mode)
+        logits = teacher_forced_logits(engine, [p + t[:-1] for p, t in zip(ref["prompts"], ref["tokens"])])
+        errors = torch.cat([(got - want).abs().flatten() for got, want in zip(logits, ref["logits"])])
+        top1 = torch.cat([got.argmax(-1) == want.argmax(-1) for got, want in zip(logits, ref["logits"])])
+        got = [o.token_ids for o in greedy(engine, ref["prompts"], len(ref["tokens"][0]))]
+        rel, top1_share = errors.mean().item() / spread, top1.float().mean().item()
+        ok = rel <= QUANT_MEAN_REL_ERROR[mode] and top1_share >= QUANT_TOP1_EQUAL[mode]
+        layers = {type(m).__name__ for n, m in engine.model.named_modules() if n.endswith(("_proj",))}
+        report(f"numerics_{mode}", "passed" if ok else "failed", device=run.device, layers=sorted(layers),
+               weight_bytes=gpu_models.parameter_bytes(engine.model), positions=int(top1.numel()),
+               mean_error_over_std=round(rel, 4), max_error_over_std=round(errors.max().item() / spread, 4),
+               top1_equal=round(top1_share, 4), bounds=[QUANT_MEAN_REL_ERROR[mode], QUANT_TOP1_EQUAL[mode]],
+               greedy_agreement_before_first_difference=share_before_first_difference(got, ref["tokens"]))
+        del engine
+        gpu_speed.free_memory()
+
+
 def check_quantized(run: Run) -> None:
     try:
         import bitsandbytes  # noqa: F401
@@ -298,7 +341,11 @@ def check_graph_replay(run: Run) -> None:
 CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_numerics_float32, 20),
           ("numerics_bf16", check_numerics_bf16, 20), ("cuda_graph_replay_equals_eager", check_graph_replay, 30),
           ("no_host_sync_in_decode_step", check_host_syncs, 15), ("throughput_pipeline", gpu_speed.check_speed, 90),
-          ("quantized_at_load", check_quantized, 30)]
+          ("quantized_at_load", check_quantized, 30),
+          ("quantized_kernels_equal_reference", gpu_quant.check_reference, 10),
+          ("numerics_quantized", check_numerics_quantized, 25),
+          ("quantized_matmul_kernels", gpu_quant.check_kernels, 20),
+          ("throughput_quantized", gpu_quant.check_throughput, 60)]
 
 
 class LogLines(logging.Handler):

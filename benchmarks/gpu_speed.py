@@ -37,6 +37,9 @@ def check_speed(run) -> None:
     prompts = workload(n, prompt_len)
     reserve = 90 if run.device == "cuda" else 15   # seconds kept for the HF peer
     ours = run_pipeline(model_dir, run.device, prompts, output_len, run.deadline - reserve)
+    # What gpu_quant.check_throughput runs each quantization mode on, and compares with.
+    run.speed = dict(model_dir=model_dir, prompts=prompts, output_len=output_len, ours=ours,
+                     model="llama-3.2-1b-shape" if run.device == "cuda" else "small")
     roof = roofline_output_tok_s(ours["weight_bytes"], ours["kv_bytes_per_token"], n, prompt_len, output_len)
     fraction = ours["output_tok_s"] / roof
     gpu = run.device == "cuda"   # the roofline is the H200's HBM: no number for a CPU
@@ -79,13 +82,15 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: int, deadline: float) -> dict:
+def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: int, deadline: float,
+                 quantization: str = "none") -> dict:
     """Every prompt queued at once, greedy, exactly output_len tokens each (ignore_eos),
     stepped until done or the deadline; counts the steps replayed from CUDA graphs."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     max_len = len(prompts[0]) + output_len
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len,
-                                 max_num_seqs=len(prompts), kv_cache_gib=16 if device == "cuda" else 1))
+                                 max_num_seqs=len(prompts), kv_cache_gib=16 if device == "cuda" else 1,
+                                 quantization=quantization))
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         list(engine.generate([Request(f"warm{i}", prompt_token_ids=p, params=SamplingParams(temperature=0.0,

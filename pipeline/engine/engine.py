@@ -31,7 +31,7 @@ from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
 from pipeline.layers.pooler import Pooler
-from pipeline.layers.quantization import linear_quantizer, quantize
+from pipeline.layers.quantization import QUANTIZED_LAYERS, linear_quantizer, quantize
 from pipeline.layers.sampler import Sampler, token_logprobs
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
@@ -48,7 +48,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         # Quantized while loading, one linear at a time, where the mode can (all but none, w8a8).
         quantize_linear = linear_quantizer(config.quantization, self.device, dtype)
-        model, args = load_model(self.model_dir, dtype, self.device, quantize_linear)
+        model, args = load_model(self.model_dir, dtype, self.device, quantize_linear, QUANTIZED_LAYERS)
         self.model = model if quantize_linear else quantize(model, config.quantization, self.device, dtype)
         self.hidden_size = args.hidden_size
         if config.pack_weights and config.quantization == "none":

@@ -52,17 +52,28 @@ def kv_cache_bytes(config: EngineConfig, device: torch.device, args: LlamaArgs, 
     # which mem_get_info counts as used: hand it back before measuring.
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve_bytes(args, max_num_batched_tokens(config, device), num_seqs, dtype.itemsize)
+    reserve = activation_reserve_bytes(args, max_num_batched_tokens(config, device), num_seqs, dtype.itemsize,
+                                       config.quantization)
     budget = budget_from_free_memory(free, total, config.gpu_memory_utilization, reserve)
     return budget * args.num_layers // (args.num_layers + 1) if copies_layer_kv else budget
 
 
-def activation_reserve_bytes(args: LlamaArgs, max_num_batched_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
+def activation_reserve_bytes(args: LlamaArgs, max_num_batched_tokens: int, num_seqs: int, dtype_bytes: int,
+                             quantization: str = "none") -> int:
     """An upper bound of one step's live activations: per packed token its hidden states,
     residual, attention output and fused QKV (about 4x hidden) and its gate/up and SiLU
-    product (3x intermediate), and float32 logits plus sampling scratch of every row."""
+    product (3x intermediate), and float32 logits plus sampling scratch of every row.
+    Quantized linears add their scratch (weight_quant.py), one linear at a time: fp8 a
+    float32 copy, its scaled quotient and the e4m3 activations of the widest input (9 bytes
+    a value); w8a16 on CUDA the largest weight cast to the compute dtype."""
     per_token = (4 * args.hidden_size + 3 * args.intermediate_size) * dtype_bytes
-    return max_num_batched_tokens * per_token + num_seqs * args.vocab_size * 4 * 2
+    reserve = max_num_batched_tokens * per_token + num_seqs * args.vocab_size * 4 * 2
+    if quantization == "fp8":
+        reserve += max_num_batched_tokens * max(args.hidden_size, args.intermediate_size) * 9
+    elif quantization == "w8a16":
+        qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        reserve += args.hidden_size * max(qkv, 2 * args.intermediate_size) * dtype_bytes
+    return reserve
 
 
 def budget_from_free_memory(free: int, total: int, utilization: float, reserve: int) -> int:

@@ -253,7 +253,8 @@ class Int4WeightLinear(QuantizedLinear):
         self.group_size = group_size
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)   # [Kp/g, Np, 2] bf16
-        self.q = q   # the unpacked int4 values, kept only when asked (tests: reference())
+        # The unpacked int4 values [Np, Kp], kept only when asked (reference(): tests, gpu_check).
+        self.register_buffer("q", q, persistent=False)
 
     @classmethod
     def from_linear(cls, linear, device, compute_dtype, keep_unpacked: bool = False):
@@ -320,7 +321,10 @@ def _probe_fp8(device: torch.device) -> None:
         raise ValueError(f"quantization 'fp8': this torch cannot run row-wise torch._scaled_mm on this GPU: {e}") from e
 
 
-def quantized_linear(mode: str, linear: nn.Linear, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
-    """`linear` (any device) as mode's module on `device`, in eval mode."""
+def quantized_linear(mode: str, linear: nn.Linear, device: torch.device, compute_dtype: torch.dtype,
+                     keep_unpacked: bool = False) -> nn.Module:
+    """`linear` (any device) as mode's module on `device`, in eval mode. keep_unpacked: w4a16
+    also keeps its unpacked values, for reference() (the other modes' tensors are unpacked)."""
+    kwargs = dict(keep_unpacked=True) if keep_unpacked and mode == "w4a16" else {}
     with torch.no_grad():
-        return MODES[mode].from_linear(linear, device, compute_dtype).eval()
+        return MODES[mode].from_linear(linear, device, compute_dtype, **kwargs).eval()

@@ -33,12 +33,13 @@ def read_hf_config(model_dir: Path) -> dict:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               quantize_linear: Callable[[nn.Linear], nn.Module] | None = None):
+               quantize_linear: Callable[[nn.Linear], nn.Module] | None = None, quantized_layers: tuple[str, ...] = ()):
     """The model on `device` in `dtype`. With quantize_linear (quantization.linear_quantizer),
-    the decoder's linears are quantized layer by layer while loading: each is filled on the
-    CPU and handed to quantize_linear (which puts its quantized module on `device`) as soon
-    as its last checkpoint tensor is read, so the device never holds more than one of them
-    in float: a model that fits there only quantized loads."""
+    the decoder's linears named quantized_layers (quantization.QUANTIZED_LAYERS) are
+    quantized layer by layer while loading: each is filled on the CPU and handed to
+    quantize_linear (which puts its quantized module on `device`) as soon as its last
+    checkpoint tensor is read, so the device never holds more than one of them in float:
+    a model that fits there only quantized loads."""
     hf_config = read_hf_config(model_dir)
     arch = (hf_config.get("architectures") or ["?"])[0]
     cls = model_class(arch)
@@ -47,17 +48,19 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     # while still on the meta device: memory is allocated once, in the target dtype.
     with torch.device("meta"):
         model = cls(args).to(dtype)
-    model = model.to_empty(device=device) if quantize_linear is None else _to_empty_but_linears(model, device)
+    model = model.to_empty(device=device) if quantize_linear is None else \
+        _to_empty_but_linears(model, device, quantized_layers)
     model.tie_weights()
     model.model.rotary = RotaryEmbedding(args).to(device)  # float32 table, computed (not loaded)
-    _load_weights(model, model_dir, None if quantize_linear is None else _QuantizeWhenLoaded(model, quantize_linear))
+    _load_weights(model, model_dir, None if quantize_linear is None
+                  else _QuantizeWhenLoaded(model, quantize_linear, quantized_layers))
     return model.eval(), args
 
 
-def _to_empty_but_linears(model, device: torch.device):
+def _to_empty_but_linears(model, device: torch.device, names: tuple[str, ...]):
     """to_empty(device) for all but the linears to quantize: those stay on the meta device
     (and nothing here keeps a reference to them: each is freed once it is quantized)."""
-    linears = _quantized_linears(model).values()
+    linears = _quantized_linears(model, names).values()
     for parent, name, _ in linears:
         parent._modules[name] = None
     model = model.to_empty(device=device)
@@ -66,12 +69,12 @@ def _to_empty_but_linears(model, device: torch.device):
     return model
 
 
-def _quantized_linears(model) -> dict[str, tuple[nn.Module, str, nn.Linear]]:
-    """The decoder linears quantization swaps: their qualified names -> (parent, attribute, linear)."""
-    from pipeline.layers.quantization import QUANTIZED_LAYERS
+def _quantized_linears(model, names: tuple[str, ...]) -> dict[str, tuple[nn.Module, str, nn.Linear]]:
+    """The linears quantization swaps (nn.Linear children called one of `names`): their
+    qualified names -> (parent, attribute, linear)."""
     return {f"{prefix}.{name}" if prefix else name: (parent, name, child)
             for prefix, parent in model.named_modules() for name, child in parent.named_children()
-            if name in QUANTIZED_LAYERS and isinstance(child, nn.Linear)}
+            if name in names and isinstance(child, nn.Linear)}
 
 
 class _QuantizeWhenLoaded:
@@ -79,8 +82,8 @@ class _QuantizeWhenLoaded:
     at their first tensor), counts what each has received, and swaps a linear for its
     quantized module once all of its parameters are filled (fused q/k/v and gate/up included)."""
 
-    def __init__(self, model, quantize_linear: Callable[[nn.Linear], nn.Module]):
-        self.pending = _quantized_linears(model)
+    def __init__(self, model, quantize_linear: Callable[[nn.Linear], nn.Module], names: tuple[str, ...]):
+        self.pending = _quantized_linears(model, names)
         self.quantize_linear = quantize_linear
         self.filled: dict[str, int] = {}
 

@@ -257,7 +257,7 @@ def test_the_loader_quantizes_one_linear_at_a_time(tiny_model_dir):
 
     from pipeline.models.loader import read_hf_config
     vocab = read_hf_config(tiny_model_dir)["vocab_size"]
-    model, args = load_model(tiny_model_dir, torch.float32, CPU, quantize_linear)
+    model, args = load_model(tiny_model_dir, torch.float32, CPU, quantize_linear, QUANTIZED_LAYERS)
     assert len(seen) == 4 * args.num_layers and max(float_alive) <= 2
     swapped = [m for m in model.modules() if isinstance(m, wq.Int8WeightLinear)]
     assert len(swapped) == 4 * args.num_layers and not any(m.training for m in swapped)
@@ -322,6 +322,17 @@ def test_the_engine_runs_each_mode_on_the_tiny_llama(tiny_model_dir, float_logit
         check_output(out, engine)
     assert outs["a"].output_tokens == outs["b"].output_tokens == 8 and outs["c"].output_tokens == 5
     assert all_blocks_free(engine)
+
+
+def test_the_kv_budget_leaves_room_for_the_quantized_linears_scratch():
+    from pipeline.engine.memory_budget import activation_reserve_bytes
+    from pipeline.models.llama import LlamaArgs
+    args = LlamaArgs.from_hf_config(dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8))
+    none = activation_reserve_bytes(args, 8192, 256, 2)
+    assert activation_reserve_bytes(args, 8192, 256, 2, "w4a16") == none
+    assert activation_reserve_bytes(args, 8192, 256, 2, "fp8") - none == 8192 * 8192 * 9
+    assert activation_reserve_bytes(args, 8192, 256, 2, "w8a16") - none == 2048 * 16384 * 2
 
 
 def test_each_mode_has_an_engine_key_of_its_own():
