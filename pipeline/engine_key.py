@@ -22,7 +22,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from pipeline.models.bundled import BUNDLED_NAME
-from pipeline.config import EngineConfig
+from pipeline.config import QUANTIZATION_REVISIONS, EngineConfig
 
 WORKER_FIELDS = ("device", "kv_cache_gib", "gpu_memory_utilization", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "num_kv_blocks", "pack_weights", "enable_prefix_caching",
@@ -32,7 +32,10 @@ WORKER_FIELDS = ("device", "kv_cache_gib", "gpu_memory_utilization", "block_size
 def identity(options: dict) -> dict:
     """The options that make a different engine, every one filled in (defaults included)."""
     config = EngineConfig(**options)
-    return {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in WORKER_FIELDS}
+    ident = {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in WORKER_FIELDS}
+    if config.quantization in QUANTIZATION_REVISIONS:   # absent otherwise: other keys stay as they were
+        ident["quantization_revision"] = QUANTIZATION_REVISIONS[config.quantization]
+    return ident
 
 
 def engine_key(options: dict) -> str:

@@ -5,6 +5,9 @@ The decoder's linear layers are replaced by weight_quant's modules, by bitsandby
 modules holding quantized weights (any device), or for w8a8 by int8_linear.Int8Linear
 (CPU only: fbgemm's int8 GEMM, faster than float32 there, where bitsandbytes' CPU kernels
 are slower); embeddings, norms and the (often tied) LM head stay in the model dtype.
+w8a8 is smoothed first (smoothing.py), which needs one forward of the float model: the
+engine applies it with quantize_w8a8 once it can run the model, so `quantize` leaves a
+w8a8 model as it is.
 
 All but w8a8 quantize one linear at a time (`linear_quantizer`): the loader hands each
 decoder linear over as soon as its checkpoint tensors are read, so a model that fits on
@@ -46,7 +49,9 @@ def quantize(model: nn.Module, mode: str, device: torch.device, compute_dtype: t
     if mode == "none":
         return model
     if mode == "w8a8":
-        return _quantize_w8a8(model, device)
+        if device.type != "cpu":
+            raise ValueError("quantization 'w8a8' runs on a CPU only; on CUDA use 'int8' (bitsandbytes)")
+        return model   # the engine calls quantize_w8a8 once it can run its calibration
     swap = linear_quantizer(mode, device, compute_dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -96,11 +101,15 @@ def _quantized_linear(bnb, linear: nn.Linear, mode: str, device, compute_dtype) 
     return q.to(device).eval()
 
 
-def _quantize_w8a8(model: nn.Module, device: torch.device) -> nn.Module:
-    if device.type != "cpu":
-        raise ValueError("quantization 'w8a8' runs on a CPU only; on CUDA use 'int8' (bitsandbytes)")
+def quantize_w8a8(model: nn.Module, run_calibration: Callable[[], object]) -> nn.Module:
+    """Smooth the float model with the input ranges one run_calibration() records (a forward
+    of smoothing.CALIBRATION_TEXT), then swap its decoder linears for Int8Linear."""
     from pipeline.layers.int8_linear import quantize_linear_layers
     from pipeline.layers.packed_linear import pack_linear_layers
+    from pipeline.layers.smoothing import recording_input_ranges, smooth_decoder
+    with recording_input_ranges(model) as ranges:
+        run_calibration()
+    smooth_decoder(model, ranges)
     quantize_linear_layers(model, QUANTIZED_LAYERS)
     # The engine packs weights only unquantized; the float LM head is as costly as a
     # quarter of the decoder in a decode step, so it is packed here as it would be then.
