@@ -32,7 +32,7 @@ from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
 from pipeline.layers.pooler import Pooler
 from pipeline.layers.quantization import QUANTIZED_LAYERS, linear_quantizer, quantize, quantize_w8a8
-from pipeline.layers.smoothing import CALIBRATION_TEXT, CALIBRATION_TOKENS
+from pipeline.layers.smoothing import calibration_pieces
 from pipeline.layers.sampler import Sampler, token_logprobs
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
@@ -89,14 +89,11 @@ class Engine:
             quantize_w8a8(self.model, self._calibrate)
 
     def _calibrate(self) -> None:
-        """One forward of the calibration text, in pieces of CALIBRATION_TOKENS so that every
-        engine of a model smooths alike whatever its context and cache; its float KV blocks
-        then leave the prefix cache."""
-        ids = self.tokenizer.encode(CALIBRATION_TEXT)
-        piece = min(CALIBRATION_TOKENS, self.max_model_len - 1, self.block_manager.num_blocks * self.block_size - 1)
+        """Run smoothing's calibration pieces; their float KV blocks leave the prefix cache."""
+        fits = min(self.max_model_len, self.block_manager.num_blocks * self.block_size) - 1
         params = SamplingParams(temperature=0, max_tokens=1)
-        list(self.generate(Request(f"calibration-{i}", prompt_token_ids=ids[i:i + piece], params=params)
-                           for i in range(0, len(ids), piece)))
+        list(self.generate(Request(f"calibration-{i}", prompt_token_ids=ids, params=params)
+                           for i, ids in enumerate(calibration_pieces(self.tokenizer.encode, fits))))
         self.reset_prefix_cache()
         self.num_steps = 0
 

@@ -18,6 +18,7 @@ max|X_j| comes from one forward of CALIBRATION_TEXT at load, in pieces of CALIBR
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,6 +33,13 @@ CALIBRATION_TEXT = (
     "    return a + b\nTranslate into French: the weather is nice today. Les enfants jouent dans le parc. "
     "Summary: sales rose 8% in the third quarter, driven by strong demand in Asia, while costs fell. "
     "1, 2, 3, 4, 5. What is 12 times 7? 84.")
+
+
+def calibration_pieces(encode: Callable[[str], list[int]], fits: int) -> list[list[int]]:
+    """CALIBRATION_TEXT's tokens in pieces of CALIBRATION_TOKENS (fewer where an engine holds
+    only `fits` tokens): every engine of a model smooths alike whatever its cache."""
+    ids, piece = encode(CALIBRATION_TEXT), min(CALIBRATION_TOKENS, fits)
+    return [ids[i:i + piece] for i in range(0, len(ids), piece)]
 
 
 @contextlib.contextmanager
