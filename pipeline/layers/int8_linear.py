@@ -135,7 +135,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         # Each token scaled into [-1, 1] by its own largest |x| (a zero row stays zero).
-        top = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True)
+        # abs().amax(): the same value as an inf-norm, which measured 16x slower on a CPU.
+        top = rows.abs().amax(dim=1, keepdim=True)
         top.clamp_(min=torch.finfo(torch.float32).tiny)
         unit = rows / top
         scale, zero_point = self.gemm.activation_qparams

@@ -51,7 +51,8 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     max|row| / 448): x ~ x8.float() * scale. Used for the weights (a row: an output
     channel) once at load and for the activations (a row: a token) at every call."""
     xf = x.float()
-    scale = torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True).clamp_(min=FP8_MIN_AMAX) / FP8_MAX
+    # abs().amax(): the inf-norm's value; torch.linalg's inf-norm measured 16x slower on a CPU
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=FP8_MIN_AMAX) / FP8_MAX
     # The clamp only catches rounding at the edge: e4m3fn has no infinity (above 448: NaN).
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -59,7 +60,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row (output channel): w ~ q * scale, q in [-127, 127], scale [rows] float32."""
     wf = w.float()
-    scale = torch.linalg.vector_norm(wf, float("inf"), dim=-1).clamp_(min=FP8_MIN_AMAX) / 127.0
+    scale = wf.abs().amax(dim=-1).clamp_(min=FP8_MIN_AMAX) / 127.0
     return (wf / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
