@@ -89,11 +89,11 @@ _ENGINE_OPTIONS = {
     "device": dict(type=click.Choice(DEVICES)),
     "quantization": dict(type=click.Choice(QUANTIZATIONS),
                          help="int8 (LLM.int8), nf4: bitsandbytes (any device). w8a8: CPU only, SmoothQuant, "
-                              "then int8 weights and int8 activations per token on fbgemm: several times float32's "
-                              "speed, perplexity +0.5% on the bundled model (+0% to +2.8% by text and CPU). fp8: e4m3 weights and per-token "
+                              "then int8 weights and int8 activations per token on fbgemm: 1.6-2.5x float32's "
+                              "speed, perplexity +0.5% on the bundled model (-0.2% to +2.8% by text and CPU). fp8: e4m3 weights and per-token "
                               "activations on FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper). "
-                              "w8a16: int8 weights (half of bf16's memory). w4a16: int4 weights in groups of 128 "
-                              "(tinygemm; a quarter). All three quantize layer by layer while loading, so a model "
+                              "w8a16: int8 weights (half of bf16's memory). w4a16: int4 weights in groups of 32 "
+                              "(tinygemm; 5/16). All three quantize layer by layer while loading, so a model "
                               "that fits only quantized loads; they run on a CPU too, slowly (README, "
                               "Quantization)  [default: none]"),
     "kv_cache_gib": dict(help="Memory budget of the KV cache  [default: 1 on a CPU; on CUDA what "

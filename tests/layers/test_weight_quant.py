@@ -175,7 +175,7 @@ def test_int4_packing_for_cuda_puts_the_even_k_in_the_high_nibble():
     assert torch.equal(wq.unpack_int4_cuda_layout(wq.pack_int4_for_cuda(q)), q)
 
 
-@pytest.mark.parametrize("k, n, layout", [(2048, 8192, (128, 8, 2048, 8192)), (64, 128, (64, 4, 64, 128)),
+@pytest.mark.parametrize("k, n, layout", [(2048, 8192, (32, 8, 2048, 8192)), (64, 128, (32, 4, 64, 128)),
                                           (96, 40, (32, 2, 96, 48)), (37, 53, (32, 4, 64, 64))])
 def test_int4_layout_fits_both_kernels(k, n, layout):
     group, tiles, kp, np_ = wq.int4_layout(k, n)
