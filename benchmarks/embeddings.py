@@ -7,7 +7,7 @@
 For an encoder (all-MiniLM-L6-v2) the peer is sentence-transformers' `encode` with its
 default batching (32 texts a batch, sorted by length); for a decoder (the bundled model,
 last-token pooling) it is transformers' AutoModel over padded batches of 32 in input order,
-pooled the same way. Both in float32 on the CPU. Rounds alternate (ours, peer, ours,
+pooled the same way. Both in float32 on the CPU (ours in --dtype if given). Rounds alternate (ours, peer, ours,
 peer...) so that a noisy machine weighs on both alike; one JSON line per run, then the
 median ratio. The vectors of the two are compared too (lowest cosine).
 """
@@ -65,10 +65,12 @@ def main() -> None:
     ap.add_argument("--corpus", required=True, help="JSONL with a prompt per line (workload.py's)")
     ap.add_argument("--model", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="our engine's dtype (the peer stays float32): bfloat16 "
+                                                        "on a CPU with AVX-512 BF16 or AMX")
     args = ap.parse_args()
     torch.manual_seed(0)
     texts = [json.loads(line)["prompt"] for line in open(args.corpus, encoding="utf-8") if line.strip()]
-    engine = build_engine(EngineConfig(model=args.model, dtype="float32", device="cpu"))
+    engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu"))
     encoder = is_encoder(engine.model_dir)
     peer = sentence_transformers_peer(args.model) if encoder else padded_transformers_peer(args.model)
     name = "sentence-transformers encode" if encoder else "transformers padded batches of 32"

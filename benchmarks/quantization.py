@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure each quantization mode on this machine: weight memory, throughput, quality.
 
-    python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16] [--dtype float32]
+    python benchmarks/quantization.py [--model DIR] [--requests w1.jsonl] [--n 16] [--dtype float32] [--modes none,w8a8]
     python benchmarks/quantization.py --kv-cache ...    # the KV-cache rows instead
     python benchmarks/quantization.py --linears         # int8 GEMM candidates per layer shape
 
@@ -45,8 +45,11 @@ PROMPTS = ["What is the capital of France?", "Write a short poem about the sea."
 def weight_bytes(model: torch.nn.Module) -> int:
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen and t.device.type != "meta":
-            seen.add(t.data_ptr())
+        if t.device.type == "meta":
+            continue
+        key = t.data_ptr() if t.layout == torch.strided else id(t)   # oneDNN's packed weights have no storage
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     for m in model.modules():  # bitsandbytes keeps quantization scales beside the weight
         state = getattr(getattr(m, "weight", None), "quant_state", None)
@@ -160,6 +163,8 @@ def main():
     ap.add_argument("--n", type=int, default=16, help="requests of the workload to time")
     ap.add_argument("--dtype", default="float32", help="compute dtype (the README's table: float32)")
     ap.add_argument("--kv-cache", action="store_true", help="compare the KV-cache dtypes instead")
+    ap.add_argument("--modes", help="comma-separated quantization modes to run (default: none unpacked and "
+                                    "packed, int8, nf4, w8a8); the first is the agreement's reference")
     ap.add_argument("--linears", action="store_true", help="time the int8 GEMM candidates per layer shape")
     a = ap.parse_args()
     if a.linears:
@@ -171,6 +176,8 @@ def main():
     # "none" twice: plain float32 weights, then MKL-packed (the CPU float32 default).
     modes = [("none", False, "auto"), ("none", True, "auto"), ("int8", False, "auto"), ("nf4", False, "auto"),
              ("w8a8", False, "auto")]
+    if a.modes:   # none packed as the CPU default has it; the others pack what they pack themselves
+        modes = [(mode, mode == "none", "auto") for mode in a.modes.split(",")]
     if a.kv_cache:
         modes = [("none", True, "auto"), ("none", True, "int8")]
     for mode, packed, kv_dtype in modes:
