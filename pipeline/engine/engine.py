@@ -32,13 +32,12 @@ from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
 from pipeline.layers.pooler import Pooler
 from pipeline.layers.quantization import QUANTIZED_LAYERS, linear_quantizer, quantize, quantize_w8a8
-from pipeline.layers.smoothing import calibration_pieces
+from pipeline.layers.smoothing import calibration_requests
 from pipeline.layers.sampler import Sampler, token_logprobs
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
 from pipeline.prompts import prompt_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
-from pipeline.sampling_params import SamplingParams
 
 
 class Engine:
@@ -89,13 +88,14 @@ class Engine:
             quantize_w8a8(self.model, self._calibrate)
 
     def _calibrate(self) -> None:
-        """Run smoothing's calibration pieces; their float KV blocks leave the prefix cache."""
+        """Smoothing's calibration requests, one at a time so that every engine runs the same steps
+        (the same ranges, bit for bit); their float KV blocks then leave the prefix cache."""
         fits = min(self.max_model_len, self.block_manager.num_blocks * self.block_size) - 1
-        params = SamplingParams(temperature=0, max_tokens=1)
-        list(self.generate(Request(f"calibration-{i}", prompt_token_ids=ids, params=params)
-                           for i, ids in enumerate(calibration_pieces(self.tokenizer.encode, fits))))
+        outs = [o for r in calibration_requests(self.tokenizer.encode, fits) for o in self.generate([r])]
+        if any(o.error for o in outs):
+            raise RuntimeError(f"w8a8 calibration failed: {next(o.error for o in outs if o.error)}")
         self.reset_prefix_cache()
-        self.num_steps = 0
+        self.num_steps = self.scheduler.num_preemptions = 0
 
     @property
     def max_model_len(self) -> int:

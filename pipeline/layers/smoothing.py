@@ -23,6 +23,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pipeline.request import Request
+from pipeline.sampling_params import SamplingParams
+
 ALPHA = 0.5   # the paper's default; 0.3-0.75 measured on the bundled model, 0.5 the steadiest
 SMOOTHED_INPUTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 CALIBRATION_TOKENS = 32   # run as independent pieces this long: any engine's cache holds one
@@ -35,11 +38,16 @@ CALIBRATION_TEXT = (
     "1, 2, 3, 4, 5. What is 12 times 7? 84.")
 
 
-def calibration_pieces(encode: Callable[[str], list[int]], fits: int) -> list[list[int]]:
-    """CALIBRATION_TEXT's tokens in pieces of CALIBRATION_TOKENS (fewer where an engine holds
-    only `fits` tokens): every engine of a model smooths alike whatever its cache."""
+def calibration_requests(encode: Callable[[str], list[int]], fits: int) -> list[Request]:
+    """CALIBRATION_TEXT's tokens as greedy one-token requests of CALIBRATION_TOKENS each (fewer
+    where an engine holds only `fits` tokens): every engine of a model smooths alike whatever
+    its cache, if that holds one piece."""
+    if fits < 1:
+        raise ValueError("this engine holds no token to calibrate w8a8 with")
     ids, piece = encode(CALIBRATION_TEXT), min(CALIBRATION_TOKENS, fits)
-    return [ids[i:i + piece] for i in range(0, len(ids), piece)]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    return [Request(f"calibration-{i}", prompt_token_ids=ids[i:i + piece], params=params)
+            for i in range(0, len(ids), piece)]
 
 
 @contextlib.contextmanager
@@ -64,9 +72,11 @@ def recording_input_ranges(model: nn.Module):
 
 
 def _factors(input_range: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s_j for each input channel j of weight [out, in] (a channel never seen stays ~1)."""
+    """s_j for each input channel j of weight [out, in]; 1 for a channel the calibration never
+    saw non-zero (a tiny factor would blow it up should it ever be active)."""
     weight_range = weight.detach().abs().amax(0).float().clamp(min=1e-5)
-    return (input_range.clamp(min=1e-5) ** alpha / weight_range ** (1 - alpha)).clamp(min=1e-5)
+    s = (input_range.clamp(min=1e-5) ** alpha / weight_range ** (1 - alpha)).clamp(min=1e-5)
+    return torch.where(input_range > 0, s, torch.ones_like(s))
 
 
 def _scale_columns(linear: nn.Linear, s: torch.Tensor) -> None:

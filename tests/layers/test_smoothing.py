@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipeline import Engine, EngineConfig, Request
-from pipeline.layers.smoothing import CALIBRATION_TEXT, SMOOTHED_INPUTS, recording_input_ranges, smooth_decoder
+from pipeline.layers.smoothing import (CALIBRATION_TEXT, SMOOTHED_INPUTS, calibration_requests,
+                                       recording_input_ranges, smooth_decoder)
 from pipeline.sampling_params import SamplingParams
 from engine_helpers import BIG_POOL, greedy, run
 
@@ -76,16 +77,34 @@ def test_folded_factors_keep_the_float_answers_and_flatten_the_ranges(tmp_path, 
 
 
 def test_w8a8_engine_calibrates_alike_whatever_its_cache_and_keeps_no_float_blocks(tiny_model_dir):
+    plain = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), pack_weights=False,
+                                **BIG_POOL))
     big = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization="w8a8", **BIG_POOL))
+    # 40 tokens of cache: a 32-token piece fits, two do not
     small = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization="w8a8",
-                                num_kv_blocks=24, block_size=4))
+                                num_kv_blocks=10, block_size=4))
     for engine in (big, small):
-        assert engine.num_steps == 0
+        assert engine.num_steps == 0 and engine.scheduler.num_preemptions == 0
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert engine.block_manager.num_cached_blocks == 0
-    for a, b in zip(big.model.model.layers, small.model.model.layers):
-        assert torch.equal(a.input_layernorm.weight, b.input_layernorm.weight)
+    for a, b, f in zip(big.model.model.layers, small.model.model.layers, plain.model.model.layers):
+        assert not torch.equal(a.input_layernorm.weight, f.input_layernorm.weight)   # smoothed
+        assert torch.equal(a.input_layernorm.weight, b.input_layernorm.weight)      # alike
         assert torch.equal(a.post_attention_layernorm.weight, b.post_attention_layernorm.weight)
+    # A cache below one piece still calibrates (in shorter pieces), and generates.
+    tiny = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization="w8a8",
+                               num_kv_blocks=4, block_size=4))
+    out = run(tiny, [Request("q", prompt_token_ids=PROMPT[:6], params=greedy(4, ignore_eos=True))])["q"]
+    assert out.error is None and out.output_tokens == 4
+
+
+def test_calibration_requests_fit_the_engine():
+    pieces = calibration_requests(lambda text: list(range(100)), fits=32)
+    assert [len(r.prompt_token_ids) for r in pieces] == [32, 32, 32, 4]
+    assert [len(r.prompt_token_ids) for r in calibration_requests(lambda text: list(range(100)), fits=15)][0] == 15
+    assert all(r.params.max_tokens == 1 and r.params.temperature == 0 for r in pieces)
+    with pytest.raises(ValueError, match="no token"):
+        calibration_requests(lambda text: [1, 2], fits=0)
 
 
 @pytest.mark.timeout(300)
