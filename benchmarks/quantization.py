@@ -29,8 +29,9 @@ import torch
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.layers.attention.cpu_paged import AttentionMetadata, PrefillChunk, cache_rows
 from pipeline.cli.bench import read_workload
-from pipeline.layers.int8_linear import Int8Linear, quantize_weight
+from pipeline.layers.int8_linear import Int8Linear
 from pipeline.layers.packed_linear import PackedLinear
+from pipeline.layers.weight_quant import quantize_int8_rows
 
 TEXT = ("The history of the city begins in the first century, when a small settlement grew up on the "
         "banks of the river. Over the following centuries it became an important market town, and its "
@@ -102,7 +103,7 @@ LINEAR_ROWS = (1, 8, 64, 300, 1024)
 def linear_candidates(linear: torch.nn.Linear) -> dict:
     """name -> function of x [rows, in] float32, each multiplying by linear's weight."""
     weight = linear.weight.detach()
-    q, scale = quantize_weight(weight)
+    q, scale = quantize_int8_rows(weight)
     qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
     candidates = {"float32 MKL-packed": PackedLinear(linear),
                   "float32 F.linear": lambda x: torch.nn.functional.linear(x, weight),

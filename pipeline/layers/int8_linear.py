@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.layers.weight_quant import quantize_int8_rows
+
 log = logging.getLogger(__name__)
 
 FORCE_ENV = "PIPELINE_INT8_GEMM"   # "reference": the PyTorch path whatever the CPU offers
@@ -108,13 +110,6 @@ def int8_gemm() -> Int8Gemm:
     return choice
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, float32 scale per output channel): symmetric, the row's largest |w| -> 127."""
-    weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-
-
 class Int8Linear(nn.Module):
     """y = x @ W^T + b, W int8 per output channel and x int8 per token (CPU; float32 or
     bfloat16 in and out, float32 inside)."""
@@ -123,7 +118,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.gemm = gemm or int8_gemm()
         self.out_features, self.in_features = linear.weight.shape
-        weight, scale = quantize_weight(linear.weight)
+        weight, scale = quantize_int8_rows(linear.weight)
         self.weight_bytes = weight.numel() + 4 * scale.numel()
         if self.gemm.kernel == "fbgemm":
             self.packed = _fbgemm_pack(weight, scale)

@@ -62,9 +62,11 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row (output channel): w ~ q * scale, q in [-127, 127], scale [rows] float32."""
-    wf = w.float()
-    scale = wf.abs().amax(dim=-1).clamp_(min=FP8_MIN_AMAX) / 127.0
+    """Symmetric int8 per row (output channel): w ~ q * scale, q in [-127, 127], scale [rows]
+    float32 (a zero row gets the smallest normal scale: its q stay 0). w8a16's weights and
+    w8a8's (int8_linear.py) alike."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=-1).clamp_(min=torch.finfo(torch.float32).tiny) / 127.0
     return (wf / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
