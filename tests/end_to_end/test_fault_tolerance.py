@@ -416,7 +416,9 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     """threads: `pipeline worker`, two shards in flight in the process that gets SIGTERM,
     both released; prefork: one shard runs in a pool child, which the parent tells with SIGUSR2."""
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("t", 6, 12 if pool == "threads" else 6)
+    # 480 tokens (the tiny model holds 512): a long shard must outlast the wait for two of them
+    # in flight plus the signal, on a fast CPU too (at 300 one finished first once, releases 0)
+    rows = warm_then_long("t", 6, 12 if pool == "threads" else 6, max_tokens=480)
     start = (lambda: c.start_worker()) if pool == "threads" else (lambda: c.start_worker("workers.app", "prefork"))
     a, b = start(), start()
     job_id = c.submit(rows, shard_size=3)
