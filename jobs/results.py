@@ -14,7 +14,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from jobs.atomic import atomic_write, write_durably
-from jobs import result_row
+from jobs import ledger, result_row
 from jobs.paths import JobPaths, result_shard_files
 from jobs.result_row import RESULT_COLUMNS
 from jobs.shards import read_shard
@@ -35,6 +35,17 @@ def write_shard_tmp(rows: list[dict], tmp_path: str | os.PathLike) -> None:
     table = _table(rows)
     with write_durably(tmp_path, "wb") as f:
         pq.write_table(table, f)
+
+
+def commit_rows(Session, paths: JobPaths, job_id: str, index: int, attempt: int, rows: list[dict], status: str,
+                answers=(), tmp_path: str | os.PathLike | None = None) -> bool:
+    """Commit an attempt's rows as shard `index` (ledger.commit_shard: the fenced ledger update,
+    the rename, the answers indexed); False when the attempt lost its lease."""
+    tmp = tmp_path or paths.tmp_result(index, attempt)
+    write_shard_tmp(rows, tmp)
+    with Session() as s:
+        return ledger.commit_shard(s, job_id, index, attempt, totals=result_row.shard_totals(rows), tmp_path=tmp,
+                                   final_path=paths.result_shard(index), status=status, answers=answers)
 
 
 def write_final_shard(rows: list[dict], path: str | os.PathLike) -> None:

@@ -1,9 +1,12 @@
 """Answering a request from an earlier job's results instead of computing it again.
 
 A shard commit indexes the keys (jobs.request_key) of its requests whose every choice
-succeeded (ledger.answers). A later job's shard, before it sends anything to the engine,
-looks its requests' keys up (one query per shard) and reads the stored rows from the
-result files they name (each file once). A stored answer is used only when its file is
+succeeded (ledger.answers). At submit, a new job's shards whose every request has a stored
+answer are committed from them at once (answer_at_submit: no worker, no engine; a job
+answered whole is completed before its submit returns), and only the others are queued.
+A worker's shard, before it sends anything to the engine, looks its requests' keys up
+(one query per shard) and reads the stored rows from the result files they name (each
+file once), so a shard with some changed lines computes only those. A stored answer is used only when its file is
 still there and holds a success row for every choice: a result file deleted (`pipeline gc`)
 or gone means the request is computed, never served stale. Two jobs computing one key at
 the same time both compute it; either answer may be reused later.
@@ -14,20 +17,70 @@ from collections import defaultdict
 
 import pyarrow.parquet as pq
 
-from jobs import ledger
+from jobs import ledger, result_row
+from jobs.finalize import finalize_job
+from jobs.ledger import ShardStatus
+from jobs.states import SUBMITTER
 from jobs.paths import JobPaths
-from jobs.results import RESULT_SCHEMA
+from jobs.request_key import request_key
+from jobs.results import RESULT_SCHEMA, commit_rows
+from jobs.shards import read_shard
 from pipeline.request import FinishReason
 
 
-def stored_answers(Session, root, job_id: str, specs) -> dict[str, tuple[str, list[dict]]]:
+_SUBMIT_LEASE_S = 600
+
+
+def answer_at_submit(Session, root, job) -> list[int]:
+    """Commit each shard of the new job `job` (a ledger.Job, queued) whose every request has a
+    usable stored answer, from those answers, under the SUBMITTER's attempt; finish the job if
+    that was every shard. Returns the indexes of the shards left to compute, in order.
+
+    Nothing is looked up for a --no-reuse job, one without an engine fingerprint, or one whose
+    engine has no stored answers at all (the first night costs nothing). A shard's stored rows
+    are read only when every one of its keys was found. A stored answer that cannot be used
+    after all (its result file gone) leaves the shard to a worker, which computes it."""
+    every = list(range(job.num_shards))
+    if not job.reuse or job.engine_fingerprint is None:
+        return every
+    with Session() as s:
+        if not ledger.any_answers_of(s, job.engine_fingerprint):
+            return every
+    paths, left = JobPaths(root, job.id), []
+    for index in every:
+        specs = read_shard(paths.input_shard(index))
+        for spec in specs:
+            spec.key = request_key(spec.to_dict(), job.engine_fingerprint)
+        answers = stored_answers(Session, root, job.id, specs, only_if_all=True)
+        if len(answers) < len(specs) or not _commit_reused(Session, paths, job.id, index, specs, answers):
+            left.append(index)
+    if len(left) < len(every):
+        finalize_job(Session, root, job.id)
+    return left
+
+
+def _commit_reused(Session, paths: JobPaths, job_id: str, index: int, specs, answers) -> bool:
+    with Session() as s:
+        attempt = ledger.claim_shard(s, job_id, index, SUBMITTER, _SUBMIT_LEASE_S, max_attempts=1)
+    if attempt is None:
+        return False
+    rows = [result_row.reused(row, spec, index, attempt, answers[spec.id][0])
+            for spec in specs for row in answers[spec.id][1]]
+    return commit_rows(Session, paths, job_id, index, attempt, rows, ShardStatus.COMPLETED,
+                       answers=answers_of(specs, rows))
+
+
+def stored_answers(Session, root, job_id: str, specs, only_if_all: bool = False) -> dict[str, tuple[str, list[dict]]]:
     """For each request of specs (jobs.spec.RequestSpec) with a usable stored answer: its id ->
-    (the job whose results hold it, its rows in choice order)."""
+    (the job whose results hold it, its rows in choice order). only_if_all: {} unless every
+    request has a key found in the index (no result file is read then)."""
     wanted = {spec.key: spec for spec in specs if spec.key is not None}
-    if not wanted:
+    if not wanted or (only_if_all and len(wanted) < len(specs)):
         return {}
     with Session() as s:
         found = ledger.find_answers(s, wanted, exclude_job=job_id)
+    if only_if_all and len(found) < len(wanted):
+        return {}
     by_file: dict[tuple[str, int], set[str]] = defaultdict(set)   # (job, shard) -> request ids to read
     for places in found.values():
         for source, shard, rid in places:

@@ -41,6 +41,9 @@ class JobStatus(_Word):
         return (cls.QUEUED, cls.IN_PROGRESS)
 
 
+SUBMITTER = "submit"   # the ledger's worker of a shard the submit answered from earlier jobs (jobs.reuse)
+
+
 class ShardStatus(_Word):
     """Shard lifecycle: queued -> running -> completed | failed; cancelled."""
 

@@ -31,7 +31,7 @@ from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.request_key import request_key
-from jobs.results import write_shard_tmp
+from jobs.results import commit_rows
 from jobs.reuse import answers_of, stored_answers
 from jobs.scheduling import expired_error
 from jobs.shards import read_shard
@@ -139,7 +139,7 @@ def run_shard(
                 released = ledger.release_shard(s, job_id, index, attempt)
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
-        if not _commit(Session, paths, job_id, index, attempt, rows, status, answers=answers_of(specs, rows)):
+        if not commit_rows(Session, paths, job_id, index, attempt, rows, status, answers=answers_of(specs, rows)):
             return ShardOutcome.LOST
         metrics.count_results(rows, job.model)
     finally:
@@ -192,7 +192,7 @@ def commit_error_rows(Session, root, job_id: str, index: int, attempt: int, erro
     InputUnreadable if the input cannot be read (no rows can be written)."""
     paths = JobPaths(root, job_id)
     rows = result_row.error_rows(read_input(paths, index), error, index, attempt)
-    return _commit(Session, paths, job_id, index, attempt, rows, ShardStatus.FAILED, tmp=tmp_path)
+    return commit_rows(Session, paths, job_id, index, attempt, rows, ShardStatus.FAILED, tmp_path=tmp_path)
 
 
 def _fail_unreadable(Session, root, job_id, index, attempt, e: InputUnreadable, last_attempt: bool) -> ShardOutcome:
@@ -291,13 +291,6 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result, wor
     return [rows[spec.id, choice] for spec, choice in keys], cancel.seen, interrupted
 
 
-def _commit(Session, paths: JobPaths, job_id, index, attempt, rows, status, tmp=None, answers=()) -> bool:
-    tmp = tmp or paths.tmp_result(index, attempt)
-    write_shard_tmp(rows, tmp)
-    with Session() as s:
-        return ledger.commit_shard(s, job_id, index, attempt, totals=result_row.shard_totals(rows),
-                                   tmp_path=tmp, final_path=paths.result_shard(index), status=status,
-                                   answers=answers)
 
 
 def _notify(on_result, row: dict) -> None:

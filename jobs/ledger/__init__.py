@@ -34,7 +34,7 @@ api_keys and files (the HTTP API's keys and files), answers (the index of stored
 that later jobs reuse).
 Callers import from `jobs.ledger` itself.
 """
-from jobs.ledger.answers import add_answers, delete_answers, find_answers
+from jobs.ledger.answers import add_answers, any_answers_of, delete_answers, find_answers
 from jobs.ledger.api_keys import KeyNameTaken, add_key, find_key, list_keys, revoke_key
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
@@ -55,7 +55,7 @@ from jobs.ledger.shard_leases import (
 )
 
 __all__ = [
-    "Answer", "ApiKey", "Base", "add_answers", "delete_answers", "find_answers", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
+    "Answer", "ApiKey", "Base", "add_answers", "any_answers_of", "delete_answers", "find_answers", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
     "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "cancel_orphaned_shards", "claim_shard",
     "commit_shard", "count_error_rows", "create_job", "delete_file", "ensure_schema", "expire_if_due", "expired_shards", "fail_shard", "files_of_job",
     "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
-from jobs.ledger.models import Answer, utcnow
+from jobs.ledger.models import Answer, Job, utcnow
 
 _LOOKUP_CHUNK = 500   # keys per IN (...): well under every database's parameter limit
 
@@ -32,6 +32,15 @@ def find_answers(s: Session, keys: Iterable[str], *, exclude_job: str) -> dict[s
             found.setdefault(key, []).append((job_id, shard, rid))
     s.commit()
     return found
+
+
+def any_answers_of(s: Session, engine_fingerprint: str) -> bool:
+    """Whether any job of this engine fingerprint has stored answers (a first night has none:
+    the submit then skips its lookup)."""
+    found = s.execute(select(Answer.key).join(Job, Job.id == Answer.job_id)
+                      .where(Job.engine_fingerprint == engine_fingerprint).limit(1)).first()
+    s.commit()
+    return found is not None
 
 
 def delete_answers(s: Session, job_ids: Iterable[str]) -> int:

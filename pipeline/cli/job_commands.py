@@ -8,7 +8,7 @@ import click
 
 from jobs.scheduling import PRIORITIES
 from jobs.settings import Settings
-from jobs.states import JobStatus, ShardStatus
+from jobs.states import SUBMITTER, JobStatus, ShardStatus
 from pipeline.cli import render
 from pipeline.cli.errors import (
     EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail,
@@ -353,6 +353,16 @@ def _submit(Session, settings: Settings, create):
         job = submit(settings, Session, create)
     except (BrokerUnavailable, EnqueueFailed) as e:   # before anything was made, or the job failed at once
         raise Fail(str(e), EXIT_BROKER) from None
+    if job.reuse and job.completed_requests:   # some shard committed already: by the submit, or a quick worker
+        from jobs import ledger
+
+        with Session() as s:
+            answered = sum(sh.num_requests for sh in ledger.get_shards(s, job.id, ShardStatus.COMPLETED)
+                           if sh.worker == SUBMITTER)
+        whole = " (all of it: the job is completed)" if job.status == JobStatus.COMPLETED else ""
+        if answered:
+            click.echo(f"{answered} of {job.total_requests} request(s) answered at submit from earlier jobs{whole}",
+                       err=True)
     if waiting_for_worker(settings, job) is True:
         click.echo(f"warning: no live worker serves engine {job.engine_key} (model {job.model}): the job's "
                    f"shards wait in queue {settings.queue_for(job.engine_key, job.queue)} until one starts, e.g.\n"

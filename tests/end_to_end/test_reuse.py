@@ -12,7 +12,9 @@ import pytest
 from jobs.ledger import get_job, make_engine, session_factory
 from jobs.paths import JobPaths, default_database_url
 from jobs.results import read_results
+from jobs.settings import Settings
 from pipeline.cli import main
+from workers import broker
 
 FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 
@@ -164,3 +166,50 @@ def test_two_jobs_of_the_same_lines_at_once_on_two_workers_each_answer_every_id_
         assert {r["reused_from"] for r in rows.values()} <= {None, *jobs}   # computed, or taken from the other
     assert outputs[0] == outputs[1]
     assert all(p.poll() is None for p in workers)
+
+
+def test_submit_commits_the_shards_it_can_answer_and_queues_only_the_rest(postgres_url, cluster_factory, tmp_path):
+    """`pipeline submit` (the path `pipeline serve` shares): a rerun's shards whose every line
+    has a stored answer are committed by the submitter, with no worker running, and only the
+    shard with a changed line is queued; an unchanged file's job is completed when submit returns."""
+    c = cluster_factory(postgres_url)
+    lines = [greedy(i) for i in range(8)]
+    said = []
+
+    def submit(rows) -> str:
+        src = tmp_path / f"in-{len(list(tmp_path.iterdir()))}.jsonl"
+        src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        done = c.cli("submit", str(src), "--model", str(c.model_dir), "--kv-cache-gib", "0.05", "--device", "cpu",
+                     "--shard-size", "4")
+        assert done.returncode == 0, done.stderr
+        said.append(done.stderr)
+        return done.stdout.strip()
+
+    worker = c.start_worker()
+    first = submit(lines)
+    assert c.wait_until_ended(first).status == "completed"
+    worker.terminate()
+    assert worker.wait(timeout=60) is not None   # from here no worker runs: only the submitter can answer
+
+    mixed = submit([greedy(0, prompt="Item 0, changed"), *lines[1:]])
+    shards = {sh.index: sh for sh in c.shards(mixed)}
+    assert (shards[0].status, shards[1].status, shards[1].worker) == ("queued", "completed", "submit")
+    assert broker.backlog(Settings.from_env(c.env), c.shard_queue) == 1   # shard 0 only
+
+    again = submit(lines)
+    job = c.job(again)
+    assert (job.status, job.completed_requests, job.reused_requests) == ("completed", 8, 8)
+    assert {sh.worker for sh in c.shards(again)} == {"submit"}
+    assert "8 of 8 request(s) answered at submit from earlier jobs (all of it" in said[-1], said[-1]
+    assert "4 of 8 request(s) answered at submit" in said[-2], said[-2]
+    c.assert_exactly_once(again, [line["id"] for line in lines])
+    before, after = rows_of(c.root, first), rows_of(c.root, again)
+    assert all(after[rid]["reused_from"] == first and after[rid]["output"] == before[rid]["output"]
+               and after[rid]["worker"] == before[rid]["worker"] for rid in before)
+    assert broker.backlog(Settings.from_env(c.env), c.shard_queue) == 1   # nothing more was queued
+
+    c.start_worker()   # the changed line is computed by a worker, its shard's other lines reused there
+    assert c.wait_until_ended(mixed).status == "completed"
+    rows = rows_of(c.root, mixed)
+    assert {rid for rid, r in rows.items() if r["reused_from"] is None} == {"q000"}
+    assert rows["q000"]["worker"] not in (None, "submit")
