@@ -1,6 +1,8 @@
 """Hand-written CPU kernels, built on first use with the system C compiler.
 
 paged_attention.c: decode attention reading the paged KV cache in place.
+quantize_rows.c: per-token uint8 quantization of a linear's input and the per-token
+  scaling of its int8 product (w8a8 on oneDNN).
 rms_norm.c: RMSNorm with the residual addition fused in.
 rotary_cache.c: rotary embedding of q and k and the KV-cache write, in one pass.
 silu_and_mul.c: SiLU of the gate times the up projection, in one pass.
@@ -36,7 +38,7 @@ from pipeline.config import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("paged_attention.c", "rms_norm.c", "rotary_cache.c", "silu_and_mul.c")]
+           for name in ("paged_attention.c", "quantize_rows.c", "rms_norm.c", "rotary_cache.c", "silu_and_mul.c")]
 HEADERS = [Path(__file__).with_name("bf16.h")]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Tried in order: the fastest build first, then ones that more compilers accept.
@@ -113,6 +115,12 @@ def _load():
         norm = getattr(lib, "add_rms_norm" + suffix)
         norm.restype = None
         norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        quantize = getattr(lib, "quantize_rows_u8" + suffix)
+        quantize.restype = None
+        quantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int32]
+        scale_rows = getattr(lib, "scale_rows" + suffix)
+        scale_rows.restype = None
+        scale_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2
     return lib
 
 
@@ -145,6 +153,32 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
     _kernel("add_rms_norm", x.dtype)(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                          out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def quantize_rows_u8(x: torch.Tensor, levels: float, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (q [rows, cols] uint8, top [rows, 1] float32): top is each row's largest
+    |x| (at least 1e-30, so a zero row gives zero_point); q = rint(x * (levels / top)) +
+    zero_point, in 0..255."""
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.uint8)
+    top = torch.empty((rows, 1), dtype=torch.float32)
+    _kernel("quantize_rows_u8", x.dtype)(x.data_ptr(), q.data_ptr(), top.data_ptr(), rows, cols, levels, zero_point)
+    return q, top
+
+
+def scale_rows(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """acc [rows, cols] float32 * row_scale [rows, 1] * col_scale [cols] (+ bias [cols]), all
+    float32, in that order, as `dtype` (float32: in place, into acc; bfloat16: a new tensor,
+    rounded once)."""
+    rows, cols = acc.shape
+    for t in (acc, row_scale, col_scale, *(() if bias is None else (bias,))):
+        assert t.dtype == torch.float32 and t.is_contiguous()
+    assert row_scale.numel() == rows and col_scale.numel() == cols and (bias is None or bias.numel() == cols)
+    out = acc if dtype == torch.float32 else torch.empty((rows, cols), dtype=dtype)
+    _kernel("scale_rows", dtype)(acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols)
     return out
 
 

@@ -3,8 +3,8 @@ made for CUDA, with CPU twins), bitsandbytes int8 (LLM.int8) or nf4, or w8a8 on 
 
 The decoder's linear layers are replaced by weight_quant's modules, by bitsandbytes
 modules holding quantized weights (any device), or for w8a8 by int8_linear.Int8Linear
-(CPU only: fbgemm's int8 GEMM, faster than float32 there, where bitsandbytes' CPU kernels
-are slower); embeddings, norms and the (often tied) LM head stay in the model dtype.
+(CPU only: fbgemm's int8 GEMM, or oneDNN's on a CPU with AMX, faster than float32 there,
+where bitsandbytes' CPU kernels are slower); embeddings, norms and the (often tied) LM head stay in the model dtype.
 w8a8 is smoothed first (smoothing.py), which needs one forward of the float model: the
 engine applies it with quantize_w8a8 once it can run the model, so `quantize` leaves a
 w8a8 model as it is.

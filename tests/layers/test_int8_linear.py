@@ -15,7 +15,8 @@ from torch import nn
 from pipeline import Engine, EngineConfig, Request
 from pipeline.engine_key import engine_key
 from pipeline.layers import int8_linear
-from pipeline.layers.int8_linear import NARROW_ACTIVATIONS, Int8Gemm, Int8Linear, int8_gemm
+from pipeline import kernels
+from pipeline.layers.int8_linear import FULL_ACTIVATIONS, NARROW_ACTIVATIONS, Int8Gemm, Int8Linear, int8_gemm
 from pipeline.layers.packed_linear import PackedLinear, _mkl
 from pipeline.layers.quantization import quantize
 from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run
@@ -24,7 +25,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
 # The PyTorch path with the chosen kernel's activation levels (255 on a CPU with VNNI).
 REFERENCE = Int8Gemm("reference", int8_gemm().activation_qparams, "test")
-needs_fbgemm = pytest.mark.skipif(int8_gemm().kernel != "fbgemm", reason="fbgemm is not used on this machine")
+ONEDNN = Int8Gemm("onednn", FULL_ACTIVATIONS, "test")
+needs_fbgemm = pytest.mark.skipif(int8_linear._fbgemm_op() is None, reason="this PyTorch has no fbgemm")
+# oneDNN's int8 product serves 255 levels only where it passes the self-check (AMX, VNNI).
+ONEDNN_USABLE = int8_linear._onednn_ops() and int8_linear._agrees_with_reference(FULL_ACTIVATIONS, "onednn")
+needs_onednn = pytest.mark.skipif(not ONEDNN_USABLE, reason="oneDNN's int8 linear does not serve 255 levels here")
+# The library kernels this machine can run (the PyTorch path is not bit-stable across batch sizes).
+LIBRARY_GEMMS = ([Int8Gemm("fbgemm", int8_gemm().activation_qparams if int8_gemm().kernel == "fbgemm"
+                           else NARROW_ACTIVATIONS, "test")] if int8_linear._fbgemm_op() else []) + (
+                    [ONEDNN] if ONEDNN_USABLE else [])
 
 
 @pytest.fixture
@@ -78,12 +87,12 @@ def test_rows_of_any_scale_leading_dimensions_and_bfloat16():
         assert row_errors(bf16.float()[[1, 4, 5]], expected[[1, 4, 5]]).max() < 0.06
 
 
-@needs_fbgemm
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("gemm", LIBRARY_GEMMS, ids=lambda g: g.kernel)
+def test_a_rows_result_does_not_depend_on_its_batch(gemm):
     """Fixed activation parameters after per-token scaling: bit-identical rows alone and
     in batches of any size (what preemption, prefix caching and speculation rely on)."""
     torch.manual_seed(2)
-    layer = Int8Linear(nn.Linear(200, 120))
+    layer = Int8Linear(nn.Linear(200, 120), gemm)
     x = torch.randn(300, 200) * torch.logspace(-2, 2, 300)[:, None]
     with torch.inference_mode():
         batch = layer(x)
@@ -98,6 +107,71 @@ def test_saturating_activation_range_is_caught_by_the_self_check():
     assert int8_linear._agrees_with_reference(NARROW_ACTIVATIONS)
     vnni = "avx512_vnni" in int8_linear.cpu_flags()
     assert int8_linear._agrees_with_reference(int8_linear.FULL_ACTIVATIONS) == vnni
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_quantizer_and_scaler_compute_the_pytorch_formula_bit_for_bit(dtype):
+    """kernels/quantize_rows.c against what int8_linear's fallback writes in PyTorch: rows of
+    any scale, a zero row (zero point, top at the floor), a row exactly on a rounding tie,
+    odd widths, bit for bit; and the way back (times top, plus the bias, into the dtype)."""
+    if not kernels.available():
+        pytest.skip("no C compiler: the PyTorch path serves")
+    torch.manual_seed(4)
+    x = (torch.randn(37, 131) * torch.logspace(-3, 3, 37)[:, None]).to(dtype)
+    x[3] = 0
+    x[5] = 0
+    x[5, :5] = torch.tensor([127, -63.5, 0.5, 1.5, -2.5])   # top 127: the factor is 1, and these are ties
+    q, top = kernels.quantize_rows_u8(x, 127, 128)
+    rows = x.float()
+    expected_top = rows.abs().amax(1, keepdim=True).clamp(min=int8_linear.MIN_TOP)
+    factor = torch.full_like(expected_top, 127).div_(expected_top)
+    assert torch.equal(top, expected_top)
+    assert torch.equal(q, torch.round(rows * factor).add(128).clamp(0, 255).to(torch.uint8))
+    assert (q[3] == 128).all() and q[5, :5].tolist() == [255, 128 - 64, 128, 130, 128 - 2]   # half to even
+    # The way back may fuse the multiply-add (one rounding where PyTorch has two): equal within that.
+    acc, cols, bias = torch.randn(37, 53), torch.rand(53), torch.randn(53)
+    tight = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(kernels.scale_rows(acc.clone(), top, cols, bias, dtype),
+                               (acc * top * cols + bias).to(dtype), **tight)
+    assert torch.equal(kernels.scale_rows(acc.clone(), top, cols, None, dtype), (acc * top * cols).to(dtype))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_the_onednn_path_is_bounded_and_its_pytorch_twin_equal(rows, monkeypatch):
+    """oneDNN's int8 product (the AMX path) with the C row quantizer: within the bound of
+    float32, equal to the reference arithmetic but for rounding ties, and bit for bit the
+    same quantized product as its own PyTorch fallback (the one taken where the C kernels
+    cannot be built)."""
+    torch.manual_seed(5)
+    linear = nn.Linear(576, 960, bias=True)
+    x = torch.randn(rows, 576) * torch.logspace(-2, 2, rows)[:, None]
+    with torch.inference_mode():
+        layer = Int8Linear(linear, ONEDNN)
+        got, expected = layer(x), linear(x)
+        reference = Int8Linear(linear, Int8Gemm("reference", FULL_ACTIVATIONS, "test"))(x)
+        assert row_errors(got, expected).max() < 0.05
+        assert row_errors(got, reference).median() < 1e-5 and row_errors(got, reference).max() < 1e-2
+        bf16 = layer(x.bfloat16())
+        monkeypatch.setattr(kernels, "serves", lambda *tensors: False)
+        fallback = layer(x)
+        # The same quantized rows and product; the way back may differ by a fused multiply-add.
+        torch.testing.assert_close(fallback, got, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(layer(x.bfloat16()), bf16, rtol=0.01, atol=1e-5)
+
+
+def test_amx_picks_onednn_unless_forced_and_a_cpu_without_it_does_not(fresh_choice, monkeypatch):
+    flags = int8_linear.cpu_flags()
+    monkeypatch.setattr(int8_linear, "cpu_flags", lambda: flags - {"amx_int8"})
+    assert int8_gemm().kernel != "onednn"
+    if not ONEDNN_USABLE:
+        return
+    int8_gemm.cache_clear()
+    monkeypatch.setattr(int8_linear, "cpu_flags", lambda: flags | {"amx_int8"})
+    assert int8_gemm() == Int8Gemm("onednn", FULL_ACTIVATIONS, "CPU with AMX: 255 activation levels")
+    int8_gemm.cache_clear()
+    monkeypatch.setenv(int8_linear.FORCE_ENV, "fbgemm")
+    assert int8_gemm().kernel == ("fbgemm" if int8_linear._fbgemm_op() else "reference")
 
 
 def test_kernel_choice_is_made_once_and_logged_once(fresh_choice, caplog):
