@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import msgspec
 import pyarrow.parquet as pq
 
 from jobs import ledger, result_row
@@ -24,11 +25,12 @@ from jobs.states import SUBMITTER
 from jobs.paths import JobPaths
 from jobs.request_key import request_key
 from jobs.results import RESULT_SCHEMA, commit_rows
-from jobs.shards import read_shard
+from jobs.request_spec import RequestSpec
 from pipeline.request import FinishReason
 
 
 _SUBMIT_LEASE_S = 600
+_decode = msgspec.json.Decoder().decode
 
 
 def answer_at_submit(Session, root, job) -> list[int]:
@@ -48,10 +50,19 @@ def answer_at_submit(Session, root, job) -> list[int]:
             return every
     paths, left = JobPaths(root, job.id), []
     for index in every:
-        specs = read_shard(paths.input_shard(index))
-        for spec in specs:
-            spec.key = request_key(spec.to_dict(), job.engine_fingerprint)
-        answers = stored_answers(Session, root, job.id, specs, only_if_all=True)
+        # Keys from the shard's lines as they are (a line is its RequestSpec.to_dict()): the
+        # requests themselves are made only for a shard that is answered whole.
+        with open(paths.input_shard(index), "rb") as f:
+            lines = [_decode(line) for line in f if line.strip()]
+        keys = [request_key(line, job.engine_fingerprint) for line in lines]
+        found = _found_all(Session, job.id, keys)
+        if found is None:
+            left.append(index)
+            continue
+        specs = [RequestSpec.from_dict(line) for line in lines]
+        for spec, key in zip(specs, keys):
+            spec.key = key
+        answers = _usable(root, specs, found)
         if len(answers) < len(specs) or not _commit_reused(Session, paths, job.id, index, specs, answers):
             left.append(index)
     if len(left) < len(every):
@@ -70,17 +81,29 @@ def _commit_reused(Session, paths: JobPaths, job_id: str, index: int, specs, ans
                        answers=answers_of(specs, rows))
 
 
-def stored_answers(Session, root, job_id: str, specs, only_if_all: bool = False) -> dict[str, tuple[str, list[dict]]]:
+def _found_all(Session, job_id: str, keys: list[str | None]) -> dict | None:
+    """The index's places of every key (ledger.find_answers), or None when one has no key or
+    is not found."""
+    if not keys or None in keys:
+        return None
+    with Session() as s:
+        found = ledger.find_answers(s, keys, exclude_job=job_id)
+    return found if len(found) == len(set(keys)) else None
+
+
+def stored_answers(Session, root, job_id: str, specs) -> dict[str, tuple[str, list[dict]]]:
     """For each request of specs (jobs.spec.RequestSpec) with a usable stored answer: its id ->
-    (the job whose results hold it, its rows in choice order). only_if_all: {} unless every
-    request has a key found in the index (no result file is read then)."""
-    wanted = {spec.key: spec for spec in specs if spec.key is not None}
-    if not wanted or (only_if_all and len(wanted) < len(specs)):
+    (the job whose results hold it, its rows in choice order)."""
+    wanted = {spec.key for spec in specs if spec.key is not None}
+    if not wanted:
         return {}
     with Session() as s:
         found = ledger.find_answers(s, wanted, exclude_job=job_id)
-    if only_if_all and len(found) < len(wanted):
-        return {}
+    return _usable(root, specs, found)
+
+
+def _usable(root, specs, found: dict) -> dict[str, tuple[str, list[dict]]]:
+    """stored_answers' answers from the index's places `found`: each result file read once."""
     by_file: dict[tuple[str, int], set[str]] = defaultdict(set)   # (job, shard) -> request ids to read
     for places in found.values():
         for source, shard, rid in places:

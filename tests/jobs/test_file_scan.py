@@ -134,3 +134,32 @@ def test_equal_digests_of_different_ids_are_not_duplicates(monkeypatch):
     whole = IdLog(*log.state())
     whole.extend(IdLog())
     assert duplicates(whole, lambda lines: {line: ids[line] for line in lines}) == found
+
+
+def test_a_shard_line_as_written_is_its_requests_dict_so_both_give_one_key(tmp_path):
+    """The submit keys a rerun's lines straight from the shard file (jobs.reuse.answer_at_submit)
+    and a worker from the RequestSpec it reads (spec.to_dict()): both must be the same dict, for
+    every shape of line, or a stored answer would be found by one and missed by the other."""
+    from jobs.request_key import request_key
+    from jobs.request_spec import RequestSpec
+
+    chat = [{"custom_id": f"o{i}", "method": "POST", "url": CHAT,
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}], "temperature": 0,
+                      "n": 1 + i % 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5,
+                      "seed": i, "stop": "x", **({"response_format": {"type": "json_object"}} if i % 2 else {
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                          "tool_choice": {"type": "function", "function": {"name": "f"}}})}} for i in range(6)]
+    chat.append({"custom_id": "e", "method": "POST", "url": CHAT, "body": {"model": "m", "messages": [
+        {"role": "user", "content": "x"}], "logit_bias": {"12": 5}, "max_completion_tokens": 3}})
+    embeddings = [{"custom_id": f"v{i}", "method": "POST", "url": "/v1/embeddings",
+                   "body": {"model": "m", "input": ["a", f"b{i}"] if i % 2 else f"c{i}",
+                            **({"dimensions": 8, "encoding_format": "base64"} if i % 3 else {})}} for i in range(6)]
+    for name, lines in (("ours", generation_lines(60)), ("openai", chat), ("embeddings", embeddings)):
+        path = write(tmp_path, lines, f"{name}.jsonl")
+        _, sizes = write_input_shards(path, tmp_path / name, 7, model="m")
+        for index in range(len(sizes)):
+            raw = [json.loads(line) for line in (tmp_path / name / input_shard_name(index)).read_text().splitlines()]
+            for line in raw:
+                spec = RequestSpec.from_dict(dict(line))
+                assert spec.to_dict() == line
+                assert request_key(line, "e" * 32) == request_key(spec.to_dict(), "e" * 32)
