@@ -6,9 +6,10 @@ answer are committed from them at once (answer_at_submit: no worker, no engine; 
 answered whole is completed before its submit returns), and only the others are queued.
 A worker's shard, before it sends anything to the engine, looks its requests' keys up
 (one query per shard) and reads the stored rows from the result files they name (each
-file once), so a shard with some changed lines computes only those. A stored answer is used only when its file is
-still there and holds a success row for every choice: a result file deleted (`pipeline gc`)
-or gone means the request is computed, never served stale. Two jobs computing one key at
+file once), so a shard with some changed lines computes only those. A stored answer is
+used only when its file is still there and holds a success row for every choice: a
+result file deleted (`pipeline gc`) or gone means the request is computed, never served
+stale. Two jobs computing one key at
 the same time both compute it; either answer may be reused later.
 """
 from __future__ import annotations
@@ -21,11 +22,11 @@ import pyarrow.parquet as pq
 from jobs import ledger, result_row
 from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
-from jobs.states import SUBMITTER
 from jobs.paths import JobPaths
 from jobs.request_key import request_key
-from jobs.results import RESULT_SCHEMA, commit_rows
 from jobs.request_spec import RequestSpec
+from jobs.results import RESULT_SCHEMA, commit_rows
+from jobs.states import SUBMITTER
 from pipeline.request import FinishReason
 
 

@@ -4,10 +4,10 @@ submit(): the broker is checked before anything exists, the job is made (a
 jobs.submission function: one pass that validates and shards the file, the capacity
 check, the ledger row), the shards whose every request has a stored answer are committed
 from those (jobs.reuse.answer_at_submit), then the rest are sent on its queue; a job
-whose shards cannot be sent is failed at once, since it could never run. The errors are typed, and
-each caller renders them its own way (an exit code, an HTTP status): before anything
-is created, spec.InvalidInput, submission.OverCapacity, submission.EndpointMismatch,
-broker.BrokerUnavailable; after, EnqueueFailed.
+whose shards cannot be sent is failed at once, since it could never run. The errors
+are typed, and each caller renders them its own way (an exit code, an HTTP status):
+before anything is created, spec.InvalidInput, submission.OverCapacity,
+submission.EndpointMismatch, broker.BrokerUnavailable; after, EnqueueFailed.
 cancel(): request it, and finish the job at once when none of its shards is running.
 """
 from __future__ import annotations
