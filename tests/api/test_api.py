@@ -201,28 +201,6 @@ def test_a_chat_batch_runs_end_to_end_through_the_openai_client(server, finished
     assert batch.output_file_id not in {f.id for f in client.files.list()}
 
 
-def test_a_rerun_of_an_answered_file_is_completed_when_it_is_created(server):
-    """Reuse at submit through the API: the same lines again make a batch that is completed in
-    the create call's own answer, its output lines the first batch's answers."""
-    client = server.client()
-    rows = [batch_line(cid, CHATS[cid], max_tokens=12) for cid in ("capital", "greet")]
-
-    def create() -> Batch:
-        upload = client.files.create(file=("rerun.jsonl", jsonl(rows)), purpose="batch")
-        return Batch.model_validate(raw(client.batches.with_raw_response.create(
-            input_file_id=upload.id, endpoint=CHAT, completion_window="24h")))
-
-    first = wait_until_ended(client, create().id)
-    again = create()
-    assert first.status == again.status == "completed" and again.request_counts.completed == 2
-    assert again.output_file_id and again.error_file_id is None
-
-    def answers(batch):
-        return {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content
-                for line in lines_of(client, batch.output_file_id)}
-    assert answers(again) == answers(first) and "Paris" in answers(again)["capital"]
-
-
 def test_cancel_through_the_client_keeps_the_partial_results(server, finished):
     client = server.client()
     warm = [batch_line(f"warm-{i}", [{"role": "user", "content": "Hi"}], max_tokens=4) for i in range(2)]
@@ -335,6 +313,29 @@ def test_an_embeddings_batch_runs_through_the_client_and_a_chat_file_is_refused_
     assert cut == pytest.approx([x / norm for x in one[:64]], abs=1e-5)
     assert bodies["many"].usage.prompt_tokens > bodies["one"].usage.prompt_tokens > 0   # every input's tokens
     assert bodies["ids"].usage.prompt_tokens == 3
+
+
+def test_a_rerun_of_an_answered_file_is_completed_when_it_is_created(server):
+    """Reuse at submit through the API: the same lines again make a batch that is completed in
+    the create call's own answer, its output lines the first batch's answers. (After the
+    cancel test, which pages through every batch of team-a.)"""
+    client = server.client()
+    rows = [batch_line(cid, CHATS[cid], max_tokens=12) for cid in ("capital", "greet")]
+
+    def create() -> Batch:
+        upload = client.files.create(file=("rerun.jsonl", jsonl(rows)), purpose="batch")
+        return Batch.model_validate(raw(client.batches.with_raw_response.create(
+            input_file_id=upload.id, endpoint=CHAT, completion_window="24h")))
+
+    first = wait_until_ended(client, create().id)
+    again = create()
+    assert first.status == again.status == "completed" and again.request_counts.completed == 2
+    assert again.output_file_id and again.error_file_id is None
+
+    def answers(batch):
+        return {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content
+                for line in lines_of(client, batch.output_file_id)}
+    assert answers(again) == answers(first) and "Paris" in answers(again)["capital"]
 
 
 def test_another_key_gets_404_for_the_first_keys_batch_and_files(server, finished):
