@@ -9,23 +9,21 @@ A worker's shard, before it sends anything to the engine, looks its requests' ke
 file once), so a shard with some changed lines computes only those. A stored answer is
 used only when its file is still there and holds a success row for every choice: a
 result file deleted (`pipeline gc`) or gone means the request is computed, never served
-stale. Two jobs computing one key at
-the same time both compute it; either answer may be reused later.
+stale. Two jobs computing one key at the same time both compute it; either answer may be
+reused later. Parquet is imported only where rows are read or written, so a submit with
+nothing to reuse stays light.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 import msgspec
-import pyarrow.parquet as pq
 
 from jobs import ledger, result_row
-from jobs.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.request_key import request_key
 from jobs.request_spec import RequestSpec
-from jobs.results import RESULT_SCHEMA, commit_rows
 from jobs.states import SUBMITTER
 from pipeline.request import FinishReason
 
@@ -48,7 +46,8 @@ def answer_at_submit(Session, root, job) -> list[int]:
         return every
     with Session() as s:
         if not ledger.any_answers_of(s, job.engine_fingerprint):
-            return every
+            return every   # (before Parquet is imported: a first night's submit stays light, pyarrow is 40 MB)
+    from jobs.finalize import finalize_job
     paths, left = JobPaths(root, job.id), []
     for index in every:
         # Keys from the shard's lines as they are (a line is its RequestSpec.to_dict()): the
@@ -72,6 +71,7 @@ def answer_at_submit(Session, root, job) -> list[int]:
 
 
 def _commit_reused(Session, paths: JobPaths, job_id: str, index: int, specs, answers) -> bool:
+    from jobs.results import commit_rows
     with Session() as s:
         attempt = ledger.claim_shard(s, job_id, index, SUBMITTER, _SUBMIT_LEASE_S, max_attempts=1)
     if attempt is None:
@@ -124,6 +124,9 @@ def _usable(root, specs, found: dict) -> dict[str, tuple[str, list[dict]]]:
 def _rows_of(path, request_ids: set[str]) -> dict[str, list[dict]]:
     """The rows of these requests in one result file, those whose every choice (0..n-1) is
     there and succeeded; {} when the file is gone or unreadable."""
+    import pyarrow.parquet as pq
+
+    from jobs.results import RESULT_SCHEMA
     try:
         table = pq.read_table(path, schema=RESULT_SCHEMA, filters=[("id", "in", sorted(request_ids))])
     except (OSError, ValueError):

@@ -53,7 +53,7 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
         broker.enqueue_shards(settings, job.engine_key, ((job_id, index) for index in left), job.priority,
                               prefix=job.queue)
     except Exception as e:
-        from jobs.finalize import abandon_job
+        from jobs.finalize import abandon_job   # results and Parquet: only on this path (pyarrow: 0.5 s, 40 MB)
         abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
         raise EnqueueFailed(job_id, e) from None
     if len(left) < len(sizes):   # answered (in part) at submit: read back what that changed
@@ -65,19 +65,14 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
 def _answer_from_earlier_jobs(Session, settings: Settings, job: ledger.Job, num_shards: int) -> list[int]:
     """The shards left to send once those answered whole from stored answers are committed;
     every shard if that lookup fails (a worker then reuses what it can: nothing is lost)."""
-    every = list(range(num_shards))
-    if not job.reuse or job.engine_fingerprint is None:
-        return every
+    from jobs.reuse import answer_at_submit
+
     try:
-        with Session() as s:   # a first night has none: then not even Parquet is imported (pyarrow: 0.5 s, 40 MB)
-            if not ledger.any_answers_of(s, job.engine_fingerprint):
-                return every
-        from jobs.reuse import answer_at_submit
         return answer_at_submit(Session, settings.data_dir, job)
     except Exception:
         log.warning("answering job %s from earlier jobs at submit failed; its workers reuse what they can",
                     job.id, exc_info=True)
-        return every
+        return list(range(num_shards))
 
 
 def cancel(Session: sessionmaker[Session], root, job: ledger.Job) -> ledger.Job:
