@@ -26,45 +26,39 @@ static inline uint8_t quantize_one(float x, float factor, int32_t zero_point) {
     return (uint8_t)v;
 }
 
+/* x's element i as float32: x is float32, or bfloat16 when is_bf16. */
+static inline float load(const void *x, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const bf16 *)x)[i]) : ((const float *)x)[i];
+}
+
+/* One row. is_bf16 is a literal in each caller's loop, so each gets its own specialised,
+ * vectorised copy (a flag passed through the OpenMP loop instead measured 5x slower). */
+static inline float quantize_row(const void *x, uint8_t *restrict q, int64_t cols, float levels, int32_t zero_point,
+                                 int is_bf16) {
+    float m = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < cols; i++) {
+        const float a = fabsf(load(x, i, is_bf16));
+        m = a > m ? a : m;
+    }
+    m = m < MIN_TOP ? MIN_TOP : m;
+    const float factor = levels / m;
+#pragma omp simd
+    for (int64_t i = 0; i < cols; i++) q[i] = quantize_one(load(x, i, is_bf16), factor, zero_point);
+    return m;
+}
+
 void quantize_rows_u8(const float *x, uint8_t *q, float *top, int64_t rows, int64_t cols, float levels,
                       int32_t zero_point) {
 #pragma omp parallel for if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *restrict xr = x + r * cols;
-        uint8_t *restrict qr = q + r * cols;
-        float m = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < cols; i++) {
-            const float a = fabsf(xr[i]);
-            m = a > m ? a : m;
-        }
-        m = m < MIN_TOP ? MIN_TOP : m;
-        top[r] = m;
-        const float factor = levels / m;
-#pragma omp simd
-        for (int64_t i = 0; i < cols; i++) qr[i] = quantize_one(xr[i], factor, zero_point);
-    }
+    for (int64_t r = 0; r < rows; r++) top[r] = quantize_row(x + r * cols, q + r * cols, cols, levels, zero_point, 0);
 }
 
 /* The same from bfloat16 input (widened exactly to float32 first). */
 void quantize_rows_u8_bf16(const bf16 *x, uint8_t *q, float *top, int64_t rows, int64_t cols, float levels,
                            int32_t zero_point) {
 #pragma omp parallel for if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *restrict xr = x + r * cols;
-        uint8_t *restrict qr = q + r * cols;
-        float m = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < cols; i++) {
-            const float a = fabsf(bf16_to_float(xr[i]));
-            m = a > m ? a : m;
-        }
-        m = m < MIN_TOP ? MIN_TOP : m;
-        top[r] = m;
-        const float factor = levels / m;
-#pragma omp simd
-        for (int64_t i = 0; i < cols; i++) qr[i] = quantize_one(bf16_to_float(xr[i]), factor, zero_point);
-    }
+    for (int64_t r = 0; r < rows; r++) top[r] = quantize_row(x + r * cols, q + r * cols, cols, levels, zero_point, 1);
 }
 
 /* The way back, one pass over the product: out[r, c] = acc[r, c] * row_scale[r] * col_scale[c]
@@ -72,32 +66,34 @@ void quantize_rows_u8_bf16(const bf16 *x, uint8_t *q, float *top, int64_t rows, 
  * (bias may be NULL; out may be acc itself). acc is the exact int32 product, as float32.
  * In PyTorch this is three passes over what is the largest tensor of a layer (gate_up's
  * output): each measured 0.25 ms at 1024 x 3072. */
+static inline void store(void *out, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((bf16 *)out)[i] = float_to_bf16(v);
+    else
+        ((float *)out)[i] = v;
+}
+
+/* One row (is_bf16 a literal in each caller, as for quantize_row). */
+static inline void scale_row(const float *a, float t, const float *col_scale, const float *bias, void *o, int64_t cols,
+                             int is_bf16) {
+    if (bias) {
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) store(o, i, a[i] * t * col_scale[i] + bias[i], is_bf16);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) store(o, i, a[i] * t * col_scale[i], is_bf16);
+    }
+}
+
 void scale_rows(const float *acc, const float *row_scale, const float *col_scale, const float *bias, float *out,
                 int64_t rows, int64_t cols) {
 #pragma omp parallel for if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *a = acc + r * cols;
-        float *o = out + r * cols;
-        const float t = row_scale[r];
-        if (bias) {
-#pragma omp simd
-            for (int64_t i = 0; i < cols; i++) o[i] = a[i] * t * col_scale[i] + bias[i];
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < cols; i++) o[i] = a[i] * t * col_scale[i];
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) scale_row(acc + r * cols, row_scale[r], col_scale, bias, out + r * cols, cols, 0);
 }
 
 /* The same into bfloat16 (computed in float32, rounded once). */
 void scale_rows_bf16(const float *acc, const float *row_scale, const float *col_scale, const float *bias, bf16 *out,
                      int64_t rows, int64_t cols) {
 #pragma omp parallel for if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *a = acc + r * cols;
-        bf16 *o = out + r * cols;
-        const float t = row_scale[r];
-#pragma omp simd
-        for (int64_t i = 0; i < cols; i++) o[i] = float_to_bf16(a[i] * t * col_scale[i] + (bias ? bias[i] : 0.0f));
-    }
+    for (int64_t r = 0; r < rows; r++) scale_row(acc + r * cols, row_scale[r], col_scale, bias, out + r * cols, cols, 1);
 }
