@@ -71,7 +71,11 @@ def test_sigkill_mid_embedding_shard_every_input_once(sqlite_url, cluster_factor
     warm = [{"id": f"w{i}", "input": "hello"} for i in range(4)]
     long = [{"id": f"k{i:02d}", "input": [[rng.randrange(100, 40000) for _ in range(480)] for _ in range(48)]}
             for i in range(18)]
-    workers = [c.start_worker(), c.start_worker()]
+    # Prefill chunks of 32 tokens (not in the engine key): a long shard is 2,160 engine steps,
+    # seconds on any machine, where whole inputs per step let a fast machine embed a shard
+    # in 0.35 s, too quick to be caught mid-shard.
+    engines = json.dumps([{**c.engine_options, "max_num_batched_tokens": 32}])
+    workers = [c.start_worker(PIPELINE_WORKER_ENGINES=engines) for _ in range(2)]
     job_id = c.submit(warm + long, shard_size=3)
     victim = c.wait_for("a long shard embedding", lambda: c.running_mid_generation(job_id, long_from=2))
     a = c.wait_for("the victim's worker process",
