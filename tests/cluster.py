@@ -26,15 +26,19 @@ REPO = Path(__file__).resolve().parent.parent
 LEASE_S = 3
 WAIT_S = 150  # the longest any one wait may take before the test fails (a loaded 2-core box)
 FAST = {"kv_cache_gib": 0.05, "device": "cpu"}
+# The tiny test model's context (conftest.TINY_LLAMA): long enough that a shard of long
+# requests lasts seconds of decode steps, which is what catching a worker mid-shard needs.
+TINY_CONTEXT = 2048
+TOO_LONG_FOR_TINY = "word " * (TINY_CONTEXT + 100)   # a prompt over the tiny model's context
 
 
-def long_rows(prefix: str, n: int, max_tokens: int = 300) -> list[dict]:
+def long_rows(prefix: str, n: int, max_tokens: int = 1200) -> list[dict]:
     """Requests that keep the tiny model busy for a while (no early EOS)."""
     return [{"id": f"{prefix}{i:03d}", "prompt": f"Count {i}", "max_tokens": max_tokens, "ignore_eos": True}
             for i in range(n)]
 
 
-def warm_then_long(prefix: str, n_warm: int, n_long: int, max_tokens: int = 300) -> list[dict]:
+def warm_then_long(prefix: str, n_warm: int, n_long: int, max_tokens: int = 1200) -> list[dict]:
     """Quick requests first (the first shards, which load each worker's engine), then long
     ones: a worker is caught mid-generation on a long shard, and no cold long shards
     compete for the CPU while the engines load."""

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 import torch
 
-from cluster import Cluster
+from cluster import TINY_CONTEXT, Cluster
 from jobs.ledger import make_engine, session_factory, upgrade
 from workers.engine_cache import EngineCache
 
@@ -82,7 +82,7 @@ def ledger(db_url):
 # Llama that shares its tokenizer for everything else.
 
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  num_key_value_heads=2, max_position_embeddings=TINY_CONTEXT, rms_norm_eps=1e-5,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 

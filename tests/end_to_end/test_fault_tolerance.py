@@ -43,7 +43,7 @@ from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
 from worker_process import drop_queue
-from cluster import REPO, WAIT_S, Cluster, long_rows, warm_then_long, write_jsonl
+from cluster import REPO, TINY_CONTEXT, TOO_LONG_FOR_TINY, WAIT_S, Cluster, long_rows, warm_then_long, write_jsonl
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_visibility_timeout_redelivery_never_duplicates(postgres_url, cluster_fa
     """With a 2 s visibility timeout, Redis hands a running shard's message to the idle
     worker again and again; those copies find the shard leased and are dropped."""
     c = cluster_factory(postgres_url, PIPELINE_VISIBILITY_TIMEOUT=2)
-    rows = long_rows("v", 4, 20) + long_rows("w", 4, 450)  # shard 1 runs many times longer
+    rows = long_rows("v", 4, 20) + long_rows("w", 4, 1800)  # shard 1 runs many times longer
     c.start_worker(), c.start_worker()
     job_id = c.submit(rows, shard_size=4)
     job = c.wait_until_ended(job_id)
@@ -133,15 +133,15 @@ def test_a_shard_that_always_crashes_its_worker_fails_then_retry_completes_it(sq
 
 
 def test_retry_local_runs_only_the_failed_requests_again(data_root, tiny_model_dir, tmp_path):
-    """Requests that fail for a reason of their own (a prompt longer than the model's 512
-    positions) fail again; the retry job holds exactly them, with the same parameters."""
+    """Requests that fail for a reason of their own (a prompt longer than the model's
+    context) fail again; the retry job holds exactly them, with the same parameters."""
     url = default_database_url(data_root)
     ensure_schema(url)
     src = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "fine", "prompt": "Hi", "max_tokens": 3},
-        {"id": "long-1", "prompt": "word " * 600, "max_tokens": 2, "temperature": 0.5, "seed": 3},
+        {"id": "long-1", "prompt": TOO_LONG_FOR_TINY, "max_tokens": 2, "temperature": 0.5, "seed": 3},
         {"id": "fine-2", "prompt": "Hello", "max_tokens": 3},
-        {"id": "long-2", "prompt": "more " * 700, "max_tokens": 4},
+        {"id": "long-2", "prompt": "more " * (TINY_CONTEXT + 200), "max_tokens": 4},
     ])
     runner = CliRunner()
     model = ["--model", str(tiny_model_dir), "--kv-cache-gib", "0.05", "--device", "cpu"]
@@ -251,7 +251,7 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
     """One shard in flight: shard 0 completes, shard 1 is cancelled mid-generation, shard 2
     never runs; `pipeline retry --wait` then runs every request without an answer once."""
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("c", 4, 8, 500)  # long enough to still run when `pipeline cancel` lands:
+    rows = warm_then_long("c", 4, 8, 2000)  # long enough to still run when `pipeline cancel` lands:
     # two sequences at a time make a shard of four take two rounds of 500 steps
     w = c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=1,
                        PIPELINE_WORKER_ENGINES=json.dumps([{**c.engine_options, "max_num_seqs": 2}]))
@@ -314,7 +314,7 @@ def start_run(c: Cluster, rows: list[dict]) -> tuple[subprocess.Popen, str]:
 def test_pipeline_run_stopped_by_a_signal_keeps_what_finished_then_retry_runs_the_rest(sig, code, sqlite_url,
                                                                                       cluster_factory):
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("s", 4, 12, 500)
+    rows = warm_then_long("s", 4, 12, 2000)
     run, job_id = start_run(c, rows)
     victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
     run.send_signal(sig)
@@ -341,7 +341,7 @@ def test_pipeline_run_killed_is_resumed_in_place_leaving_a_live_workers_shard_to
     from jobs.ledger import Shard, claim_shard, utcnow
 
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("k", 4, 12, 500)
+    rows = warm_then_long("k", 4, 12, 2000)
     run, job_id = start_run(c, rows)
     c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
     run.kill()  # SIGKILL: no handler runs, the job stays in_progress with shard 1 leased
@@ -384,13 +384,13 @@ def test_shards_of_one_job_and_of_two_jobs_share_one_worker(sqlite_url, cluster_
 
     c = cluster_factory(sqlite_url)
     c.start_worker()
-    a_rows = long_rows("a-short-", 4, 8) + long_rows("a-long-", 4, 500)
+    a_rows = long_rows("a-short-", 4, 8) + long_rows("a-long-", 4, 2000)
     a = c.submit(a_rows, shard_size=4)
     c.wait_for("a's short shard to complete", lambda: c.shards(a)[0].status == "completed")
-    b_rows = long_rows("b-", 4, 40)
+    b_rows = long_rows("b-", 4, 400)   # a fifth of a's long shard: caught running beside it
     b = c.submit(b_rows, shard_size=4)
     c.wait_for("b's shard running beside a's long one",
-               lambda: c.shards(b)[0].status == "running" and c.shards(a)[1].status == "running")
+               lambda: c.shards(b)[0].status == "running" and c.shards(a)[1].status == "running", poll_s=0.05)
     with c.Session() as s:
         assert request_cancel(s, a)
     assert c.wait_until_ended(b).status == "completed"
@@ -416,9 +416,9 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     """threads: `pipeline worker`, two shards in flight in the process that gets SIGTERM,
     both released; prefork: one shard runs in a pool child, which the parent tells with SIGUSR2."""
     c = cluster_factory(sqlite_url)
-    # 480 tokens (the tiny model holds 512): a long shard must outlast the wait for two of them
-    # in flight plus the signal, on a fast CPU too (at 300 one finished first once, releases 0)
-    rows = warm_then_long("t", 6, 12 if pool == "threads" else 6, max_tokens=480)
+    # near the tiny model's context: a long shard must outlast the wait for two of them in
+    # flight plus the signal, on a fast CPU too (at a fifth of it one finished first once, releases 0)
+    rows = warm_then_long("t", 6, 12 if pool == "threads" else 6, max_tokens=TINY_CONTEXT - 80)
     start = (lambda: c.start_worker()) if pool == "threads" else (lambda: c.start_worker("workers.app", "prefork"))
     a, b = start(), start()
     job_id = c.submit(rows, shard_size=3)

@@ -36,7 +36,7 @@ from pipeline.engine_key import engine_key
 from pipeline.engine.engine_loop import EngineLoop
 from dashboards import dashboard_queries
 from engine_helpers import greedy, random_prompt
-from cluster import REPO, WAIT_S, write_jsonl
+from cluster import REPO, TOO_LONG_FOR_TINY, WAIT_S, write_jsonl
 from shard_helpers import another_worker_takes_over, cancel, run_with_a_quick_request_first, submit
 from worker_process import BROKER_URL, drop_queue
 from workers import logs, metrics
@@ -189,7 +189,7 @@ def some_rows(prefix: str, n: int) -> list[dict]:
     """Requests of a few lengths with a shared prompt prefix, and one whose prompt is too long
     for the tiny model (an error row)."""
     return [{"id": f"{prefix}{i}", "prompt": f"{SHARED_PREFIX}Item {i}", "max_tokens": 2 + i % 4,
-             "ignore_eos": True} for i in range(n)] + [{"id": f"{prefix}-too-long", "prompt": "word " * 600,
+             "ignore_eos": True} for i in range(n)] + [{"id": f"{prefix}-too-long", "prompt": TOO_LONG_FOR_TINY,
                                                        "max_tokens": 2}]
 
 

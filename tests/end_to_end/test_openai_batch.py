@@ -23,6 +23,7 @@ from jobs.paths import JobPaths, check_job_id, default_database_url
 from jobs.results import read_results
 from worker_process import BROKER_URL, drop_queue, queued_messages, worker
 from pipeline.cli import main
+from cluster import TOO_LONG_FOR_TINY
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -30,7 +31,7 @@ FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 QUEUE = f"pipeline-test-openai-{uuid.uuid4().hex[:8]}"  # this module's own queue
 WAIT_S = 180
 MAX_TOKENS = 16
-TOO_LONG = "word " * 600  # well over the tiny model's 512 positions: that request fails
+TOO_LONG = TOO_LONG_FOR_TINY  # that request fails
 
 # id -> chat messages; "long" fails, "mct" uses max_completion_tokens instead of max_tokens.
 CHATS = {

@@ -15,6 +15,7 @@ from jobs.results import read_results
 from jobs.settings import Settings
 from pipeline.cli import main
 from workers import broker
+from cluster import TOO_LONG_FOR_TINY
 
 FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 
@@ -123,7 +124,7 @@ def test_gc_deletes_old_results_with_their_index_and_the_next_run_computes(runne
 
 
 def test_dry_run_counts_match_the_real_run_and_create_nothing(runner, data_root, tmp_path, tiny_model_dir):
-    lines = [greedy(i) for i in range(30)] + [{"id": "long", "prompt": "word " * 600, "max_tokens": 4},
+    lines = [greedy(i) for i in range(30)] + [{"id": "long", "prompt": TOO_LONG_FOR_TINY, "max_tokens": 4},
                                               {"id": "n3", "prompt": "Hello", "max_tokens": 5, "n": 3, "seed": 1}]
     src = tmp_path / "night.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))

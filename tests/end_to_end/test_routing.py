@@ -87,7 +87,7 @@ def test_a_dead_workers_shard_goes_back_to_its_models_queue(
     c = cluster_factory(sqlite_url)
     victim, bystander = worker_for(c, tiny_model_dir), worker_for(c, other_tiny_model_dir)
     wait_served(c, victim, tiny_model_dir)
-    rows = long_rows("warm-", 2, 4) + long_rows("long-", 2, 400)
+    rows = long_rows("warm-", 2, 4) + long_rows("long-", 2, 1600)
     job_id, _ = submit(c, tmp_path, rows, tiny_model_dir, "--shard-size", "2")
     c.wait_for("the long shard generating", lambda: c.running_mid_generation(job_id))
     victim.send_signal(signal.SIGKILL)

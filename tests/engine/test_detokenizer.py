@@ -1,15 +1,31 @@
-"""IncrementalDetokenizer with the real (SmolLM2, byte-level BPE) tokenizer."""
+"""IncrementalDetokenizer with the real (SmolLM2, byte-level BPE) tokenizer, through its streaming
+decoder and through the windows a slow tokenizer gets."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from pipeline.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
+class WithoutBackend:
+    """The fast tokenizer seen as a slow one (no backend_tokenizer): the two-window path."""
+
+    def __init__(self, tokenizer):
+        self.encode, self.decode, self.eos_token_id = tokenizer.encode, tokenizer.decode, tokenizer.eos_token_id
+
+
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
+def fast_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module", params=["stream", "windows"])
+def tokenizer(request, fast_tokenizer):
+    """Each test twice: tokenizers' DecodeStream, and the windows a slow tokenizer gets."""
+    return fast_tokenizer if request.param == "stream" else WithoutBackend(fast_tokenizer)
 
 
 # A stop string that never appears: keeps the detokenizer incremental (without stop
@@ -146,3 +162,21 @@ def test_stop_string_completed_by_held_back_text_is_cut_at_flush(tokenizer):
     assert detok.text == "ab"                     # the space is still held back
     assert detok.flush() is True
     assert detok.text == "a"
+
+
+def test_the_stream_and_the_windows_give_the_same_text_token_by_token(fast_tokenizer):
+    """Random token ids (byte fragments, special tokens, odd spacing) and real text: the
+    same text after every token, with the same held-back characters, then at flush."""
+    rng = random.Random(0)
+    prompt_ids = fast_tokenizer.encode("Say something:")
+    cases = [[rng.randrange(len(fast_tokenizer)) for _ in range(200)] for _ in range(5)]
+    cases += [fast_tokenizer.encode(text) for text in TEXTS]
+    for ids in cases:
+        stream = IncrementalDetokenizer(fast_tokenizer, prompt_ids, NEVER)
+        windows = IncrementalDetokenizer(WithoutBackend(fast_tokenizer), prompt_ids, NEVER)
+        assert stream._stream is not None and windows._stream is None
+        for t in ids:
+            assert stream.add_token(t) == windows.add_token(t)
+            assert stream.text == windows.text
+        stream.flush(), windows.flush()
+        assert stream.text == windows.text

@@ -14,6 +14,7 @@ import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled
+from cluster import TINY_CONTEXT, TOO_LONG_FOR_TINY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
@@ -318,11 +319,11 @@ def test_max_tokens_gives_length(tiny_engine, greedy_reference):
 
 
 def test_generation_stops_at_max_model_len(tiny_engine):
-    assert tiny_engine.max_model_len == 512
-    out = run(tiny_engine, [Request("edge", prompt_token_ids=random_prompt(random.Random(3), 509),
+    assert tiny_engine.max_model_len == TINY_CONTEXT
+    out = run(tiny_engine, [Request("edge", prompt_token_ids=random_prompt(random.Random(3), TINY_CONTEXT - 3),
                                     params=greedy(50, ignore_eos=True))])["edge"]
     assert out.finish_reason == "length"
-    assert out.output_tokens == 3                              # 509 + 3 == 512
+    assert out.output_tokens == 3                              # (context - 3) + 3 == context
 
 
 def test_prompts_that_cannot_fit_fail_alone(tiny_engine, small_pool_engine):
@@ -342,10 +343,10 @@ def test_prompts_that_cannot_fit_fail_alone(tiny_engine, small_pool_engine):
         check_output(outs[rid], small_pool_engine)
     assert all_blocks_free(small_pool_engine)
 
-    outs = run(tiny_engine, [Request("long", prompt=" hello" * 600, params=greedy(5)),
+    outs = run(tiny_engine, [Request("long", prompt=TOO_LONG_FOR_TINY, params=greedy(5)),
                              Request("ok", prompt="hello", params=greedy(5))])
     assert outs["long"].finish_reason == "error"
-    assert "maximum model length is 512" in outs["long"].error
+    assert f"maximum model length is {TINY_CONTEXT}" in outs["long"].error
     check_output(outs["ok"], tiny_engine)
 
 
