@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Host time of a decode step at many sequences: what the engine's Python does around the
+forward and the sampler, which a GPU would otherwise wait on.
+
+    python benchmarks/host_step.py [--seqs 256] [--steps 48] [--rounds 3]
+
+A tiny random Llama (the bundled tokenizer's 49,152 tokens, hidden 64) on the CPU, `seqs`
+requests of 128-token prompts decoding together; once every prompt is computed, each
+step's wall time is split into the model runner (inputs, forward), the sampler, and the
+rest (scheduling, appending tokens, detokenising, stop strings, outputs): the host's own
+share, the figure the GPU path needs far below its ~10 ms decode step. Three workloads:
+greedy, sampled (temperature 1), and greedy with a stop string (incremental detokenising).
+One JSON line per workload and round, medians in ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_models import build_model, find_tokenizer
+from pipeline import EngineConfig, Request
+from pipeline.engine.engine import Engine
+from pipeline.sampling_params import SamplingParams
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0),
+             "stop string": dict(temperature=0.0, stop=["<never-appears>"])}
+
+
+class Timed:
+    """Wraps a bound method, adding its wall time to `spent`."""
+
+    def __init__(self, method):
+        self.method, self.spent = method, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.method(*args, **kwargs)
+        finally:
+            self.spent += time.perf_counter() - start
+
+
+def measure(engine: Engine, seqs: int, steps: int, params: dict) -> dict:
+    rng = random.Random(0)
+    for i in range(seqs):
+        prompt = [rng.randrange(100, 40000) for _ in range(128)]
+        engine.add_request(Request(f"r{i}", prompt_token_ids=prompt,
+                                   params=SamplingParams(max_tokens=steps + 16, ignore_eos=True, **params)))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    runner, sampler = Timed(engine.runner.run), Timed(engine.speculator.sample)
+    engine.runner.run, engine.speculator.sample = runner, sampler
+    totals, runs, samples = [], [], []
+    try:
+        for _ in range(steps):
+            before_run, before_sample = runner.spent, sampler.spent
+            start = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - start)
+            runs.append(runner.spent - before_run)
+            samples.append(sampler.spent - before_sample)
+    finally:
+        del engine.runner.run, engine.speculator.sample
+        engine.scheduler.abort_all()
+    ms = lambda values: round(1e3 * statistics.median(values), 3)
+    return {"seqs": seqs, "step_ms": ms(totals), "runner_ms": ms(runs), "sampler_ms": ms(samples),
+            "host_ms": ms([t - r - s for t, r, s in zip(totals, runs, samples)])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokenizer", help="a folder with tokenizer.json (default: the bundled model's)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "tiny", TINY, find_tokenizer(args.tokenizer), torch.float32)
+        engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=args.seqs,
+                                     max_num_batched_tokens=4096, kv_cache_gib=0.5))
+        for round_ in range(1, args.rounds + 1):
+            for name, params in WORKLOADS.items():
+                print(json.dumps({"workload": name, "round": round_, **measure(engine, args.seqs, args.steps, params)}),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
