@@ -11,6 +11,7 @@ import pytest
 
 from pipeline import Engine, EngineConfig, Request
 from pipeline.engine.engine_loop import EngineLoop
+from cluster import TINY_CONTEXT
 from engine_helpers import BIG_POOL, all_blocks_free, greedy, random_prompt, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
@@ -114,7 +115,7 @@ def test_a_caller_that_stops_reading_frees_its_requests(engine, loop):
 
 
 def test_a_request_that_cannot_run_fails_alone_in_its_own_stream(engine, loop):
-    too_long = Request("r0", prompt_token_ids=[5] * 600, params=greedy(2))
+    too_long = Request("r0", prompt_token_ids=[5] * (TINY_CONTEXT + 100), params=greedy(2))
     results: dict = {}
     collect(loop, [too_long, *requests_of(4, 2)[1:]], results, "x")
     assert results["x"]["r0"].finish_reason == "error"
