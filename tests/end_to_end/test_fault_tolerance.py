@@ -252,7 +252,7 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
     never runs; `pipeline retry --wait` then runs every request without an answer once."""
     c = cluster_factory(sqlite_url)
     rows = warm_then_long("c", 4, 8, 2000)  # long enough to still run when `pipeline cancel` lands:
-    # two sequences at a time make a shard of four take two rounds of 500 steps
+    # two sequences at a time make a shard of four take two rounds of 2,000 steps
     w = c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=1,
                        PIPELINE_WORKER_ENGINES=json.dumps([{**c.engine_options, "max_num_seqs": 2}]))
     job_id = c.submit(rows, shard_size=4)
@@ -417,7 +417,7 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     both released; prefork: one shard runs in a pool child, which the parent tells with SIGUSR2."""
     c = cluster_factory(sqlite_url)
     # near the tiny model's context: a long shard must outlast the wait for two of them in
-    # flight plus the signal, on a fast CPU too (at a fifth of it one finished first once, releases 0)
+    # flight plus the signal, on a fast CPU too (at 300 tokens one finished first once, releases 0)
     rows = warm_then_long("t", 6, 12 if pool == "threads" else 6, max_tokens=TINY_CONTEXT - 80)
     start = (lambda: c.start_worker()) if pool == "threads" else (lambda: c.start_worker("workers.app", "prefork"))
     a, b = start(), start()
