@@ -95,6 +95,34 @@ def test_sampling_follows_the_filtered_distribution():
     assert 0.65 < draws.count(1) / len(draws) < 0.85
 
 
+
+@pytest.mark.parametrize("vocab", [7, 1024, 3000, 49152])
+def test_the_two_level_draw_is_the_first_token_whose_running_sum_reaches_u_times_the_total(vocab):
+    """_inverse_cdf against one float64 running sum over the whole row (numpy), on the same
+    uniform numbers: rows with zeros (whole blocks of them too), a vocabulary that is and is
+    not a multiple of the block, and u near 1 and near 0. A weight-0 token is never drawn."""
+    import numpy as np
+    rng = np.random.default_rng(vocab)
+    weights = rng.random((64, vocab)).astype(np.float32) ** 8
+    weights[rng.random((64, vocab)) < 0.5] = 0.0
+    weights[:8, : vocab // 2] = 0.0                   # leading blocks of zeros
+    weights[8:16, vocab // 2:] = 0.0                  # trailing ones
+    weights[weights.sum(1) == 0, 0] = 1.0             # no row without weight
+    weights[16, :] = 0.0
+    weights[16, vocab - 1] = 1.0                      # one token, the very last
+    seqs = [make_seq(SamplingParams(temperature=1.0)) for _ in range(64)]
+    drawn = Sampler(CPU, seed=5)._inverse_cdf(torch.from_numpy(weights.copy()), seqs).numpy()
+    u = 1.0 - Sampler(CPU, seed=5)._uniforms(seqs, CPU).numpy()
+    running = np.cumsum(weights.astype(np.float64), axis=1)
+    expected = [np.searchsorted(running[i], u[i] * running[i, -1], side="left") for i in range(64)]
+    assert weights[np.arange(64), drawn].min() > 0
+    assert drawn[16] == vocab - 1
+    # The block sums are float32: a draw within ~1e-6 of a block's edge may land on its
+    # neighbour (the reference's own float64 sum rounds too); every other draw is the same.
+    agree = np.mean(drawn == np.asarray(expected))
+    assert agree >= 62 / 64, (agree, drawn[drawn != expected], np.asarray(expected)[drawn != expected])
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -1.0, 1.5, -2.0, 0.5]])
     seq = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0], output=[1])
