@@ -54,8 +54,10 @@ def measure(engine: Engine, seqs: int, steps: int, params: dict) -> dict:
     rng = random.Random(0)
     for i in range(seqs):
         prompt = [rng.randrange(100, 40000) for _ in range(128)]
-        engine.add_request(Request(f"r{i}", prompt_token_ids=prompt,
-                                   params=SamplingParams(max_tokens=steps + 16, ignore_eos=True, **params)))
+        refused = engine.add_request(Request(f"r{i}", prompt_token_ids=prompt,
+                                             params=SamplingParams(max_tokens=steps + 16, ignore_eos=True, **params)))
+        if refused:   # else the steps below would time an engine with nothing to do
+            raise RuntimeError(f"request r{i} refused: {refused[0].error}")
     while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
