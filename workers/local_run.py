@@ -139,7 +139,7 @@ def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[
     def run(index: int) -> ShardOutcome:
         with gate.room(stop=interrupted.is_set, shard=(job_id, index)):
             with Session() as s:
-                shard = next(sh for sh in ledger.get_shards(s, job_id) if sh.index == index)
+                shard = ledger.get_shard(s, job_id, index)
             return run_shard(Session, root, job_id, index, engine_provider=engines.use, worker_name=worker,
                              lease_s=lease_s, max_attempts=shard.attempt - shard.releases + 1,
                              on_result=on_result)

@@ -188,7 +188,7 @@ def sweep_tmp(Session: sessionmaker[Session], root, job_id: str) -> int:
 def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, worker: str, lease_s: float) -> bool:
     """Commit an exhausted shard as failed with an error row per request; True if this call did."""
     with Session() as s:
-        shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
+        shard = ledger.get_shard(s, job_id, index)
         if shard is None or shard.status != ShardStatus.RUNNING:
             return False
         attempt, last_worker, num_requests = shard.attempt, shard.worker, shard.num_requests

@@ -98,7 +98,7 @@ def run_shard(
         return ShardOutcome.SKIPPED
     with Session() as s:
         attempt = ledger.claim_shard(s, job_id, index, worker_name, lease_s, max_attempts)
-        shard = next((sh for sh in ledger.get_shards(s, job_id) if sh.index == index), None)
+        shard = ledger.get_shard(s, job_id, index)
         if attempt is None or shard is None:  # (None: a message for a job that no longer exists)
             busy = shard is not None and shard.status == ShardStatus.RUNNING
             return ShardOutcome.BUSY if busy else ShardOutcome.SKIPPED

@@ -38,7 +38,7 @@ from jobs.ledger.answers import add_answers, any_answers_of, delete_answers, fin
 from jobs.ledger.api_keys import KeyNameTaken, add_key, find_key, list_keys, revoke_key
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
-    count_error_rows, create_job, expire_if_due, finish_job, get_job, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key,
+    count_error_rows, create_job, expire_if_due, finish_job, get_job, get_shard, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key,
     list_jobs, queued_requests, request_cancel, retries_of, stop_reason, try_finalize,
 )
 from jobs.ledger.files import add_file, delete_file, files_of_job, get_file, list_files

@@ -11,7 +11,7 @@ from sqlalchemy import inspect, update
 
 from jobs.ledger import (
     Base, Job, JobStatus, Shard, ShardStatus, claim_shard, commit_shard, create_job, ensure_schema,
-    expired_shards, fail_shard, finish_job, get_job, get_shards, is_cancelling, job_as_dict,
+    expired_shards, fail_shard, finish_job, get_job, get_shard, get_shards, is_cancelling, job_as_dict,
     job_counts, jobs_of_key, list_jobs, make_engine, queued_shards, release_shard, renew_lease, request_cancel, retries_of,
     try_finalize, upgrade,
 )
@@ -103,6 +103,18 @@ def test_retries_of_finds_the_jobs_made_from_a_job(ledger):
     with Session() as s:
         assert [j.id for j in retries_of(s, old)] == [retries[0], retries[2]]
         assert [j.id for j in retries_of(s, other)] == [retries[1]] and retries_of(s, retries[0]) == []
+
+
+def test_get_shard_reads_one_shard_afresh_by_its_index(ledger):
+    _, Session = ledger
+    job_id = make_job(Session, sizes=(3, 3, 1))
+    with Session() as reader:
+        assert (get_shard(reader, job_id, 2).index, get_shard(reader, job_id, 2).num_requests) == (2, 1)
+        assert get_shard(reader, job_id, 3) is None and get_shard(reader, "job_0000000000000000", 0) is None
+        with Session() as writer:   # another process claims it: the reader's session sees the new state
+            assert claim_shard(writer, job_id, 1, "w1", LEASE, max_attempts=3) == 1
+        shard = get_shard(reader, job_id, 1)
+        assert (shard.status, shard.worker, shard.attempt) == ("running", "w1", 1)
 
 
 def test_claim_is_exclusive_while_the_lease_lives(ledger):
