@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 import duckdb
+import pyarrow.compute as pc
 import pytest
 
-from jobs import paths
+from jobs import paths, results
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.settings import Settings
 from jobs.results import (
@@ -44,6 +45,18 @@ def test_round_trip_keeps_rows_and_schema(jp):
     expected = [{name: row.get(name) for name in RESULT_SCHEMA.names} for row in rows]
     assert table.to_pylist() == expected
     assert read_results(jp.results_dir, columns=["id"]).column_names == ["id"]
+
+
+def test_many_shards_are_read_in_groups_of_files_in_shard_order(jp, monkeypatch):
+    monkeypatch.setattr(results, "_FILES_A_SCAN", 2)   # 5 shards: three scans
+    for shard in range(5):
+        commit(jp, shard, result_rows(shard, shard + 1))
+    ids = [f"req-{shard}-{i}" for shard in range(5) for i in range(shard + 1)]
+    assert read_results(jp.results_dir)["id"].to_pylist() == ids
+    assert [row["id"] for row in iter_result_rows(jp.results_dir, columns=["id"])] == ids
+    derived = read_results(jp.results_dir, columns={"id": pc.field("id"), "long": pc.field("output_tokens") > 2})
+    assert derived.column_names == ["id", "long"] and derived["long"].to_pylist() == [i > 2 for s in range(5)
+                                                                                          for i in range(s + 1)]
 
 
 def test_unknown_fields_are_refused(jp):

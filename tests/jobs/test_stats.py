@@ -95,3 +95,15 @@ def test_results_written_before_cached_tokens_existed_count_as_uncached(jp):
     assert (stats["prompt_tokens"], stats["cached_tokens"]) == (17, 4)
     assert (stats["draft_tokens"], stats["accepted_tokens"]) == (8, 6)   # null in the old file
     assert stats["prefix_hit_rate"] == pytest.approx(4 / 17)
+
+
+def test_vectors_are_counted_and_the_reused_ones_left_out_of_the_rate(jp):
+    def vector_row(i, reused_from=None):
+        return {"id": f"d{i}", "prompt_tokens": 5, "output_tokens": 0, "finish_reason": "stop", "latency_s": 1.0,
+                "embedding": [float(i)] * 4, "reused_from": reused_from, "shard": 0, "attempt": 1}
+    failed = {"id": "bad", "prompt_tokens": 9, "finish_reason": "error", "error": "too long", "latency_s": 0.1,
+              "shard": 0, "attempt": 1}
+    publish(jp, 0, [vector_row(i) for i in range(6)] + [vector_row(6, "job_00000000000000bb"), failed])
+    stats = compute_stats(jp.results_dir, wall_seconds=2.0)
+    assert (stats["embedding_vectors"], stats["vectors_s"], stats["reused_requests"]) == (7, 3.0, 1)
+    assert (stats["total_requests"], stats["completed_requests"], stats["failed_requests"]) == (8, 7, 1)
