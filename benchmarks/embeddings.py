@@ -71,6 +71,12 @@ def main() -> None:
     torch.manual_seed(0)
     texts = [json.loads(line)["prompt"] for line in open(args.corpus, encoding="utf-8") if line.strip()]
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu"))
+    # Our engine refuses an input longer than the model takes (sentence-transformers would cut it):
+    # both sides get only the texts that fit.
+    fits = [t for t in texts if len(engine.tokenize(Request("", prompt=t))) <= engine.max_model_len]
+    if len(fits) < len(texts):
+        print(json.dumps({"left_out_too_long": len(texts) - len(fits), "max_tokens": engine.max_model_len}))
+    texts = fits
     encoder = is_encoder(engine.model_dir)
     peer = sentence_transformers_peer(args.model) if encoder else padded_transformers_peer(args.model)
     name = "sentence-transformers encode" if encoder else "transformers padded batches of 32"
