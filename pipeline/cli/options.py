@@ -91,7 +91,7 @@ _ENGINE_OPTIONS = {
                          help="int8 (LLM.int8), nf4: bitsandbytes (any device). w8a8: CPU only, SmoothQuant, "
                               "then int8 weights and int8 activations per token on fbgemm (oneDNN on CPUs with AMX): "
                               "1.35-2.5x float32's speed (by CPU and workload), perplexity -1.2% to +1.4% on the "
-                              "bundled model (up to +2.8% on other text). fp8: e4m3 weights and per-token "
+                              "bundled model's fixed text (up to +3.5% on other text). fp8: e4m3 weights and per-token "
                               "activations on FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper). "
                               "w8a16: int8 weights (half of bf16's memory). w4a16: int4 weights in groups of 32 "
                               "(tinygemm; 5/16). All three quantize layer by layer while loading, so a model "
