@@ -33,7 +33,7 @@ from pipeline.layers.packed_linear import pack_linear_layers
 from pipeline.layers.pooler import Pooler
 from pipeline.layers.quantization import QUANTIZED_LAYERS, linear_quantizer, quantize, quantize_w8a8
 from pipeline.layers.smoothing import calibration_requests
-from pipeline.layers.sampler import Sampler, token_logprobs
+from pipeline.layers.sampler import Sampler
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
 from pipeline.prompts import prompt_token_ids
@@ -217,7 +217,7 @@ class Engine:
             seq.num_computed_tokens += n
         self.num_steps += 1
         if step.prompt_spans:
-            self._score_prompts(step.prompt_logits, step.prompt_spans)
+            self._score_prompts(step.prompt_hidden, step.prompt_spans)
         if step.pooled:
             timed_out += self._retire_pooled(step.pooled)
         sampling, logits = step.sampling, step.logits
@@ -275,13 +275,14 @@ class Engine:
             row += width
         return order, logits.index_select(0, torch.tensor(rows, device=logits.device))
 
-    def _score_prompts(self, logits: torch.Tensor, spans) -> None:
-        """Prompt logprobs of this step's prompt positions, on the device: each span's flat
-        tensor waits on its sequence until the sampler brings it back with the step's one
-        transfer (at the latest in the step that computes the prompt's last token)."""
+    def _score_prompts(self, hidden: torch.Tensor, spans) -> None:
+        """Prompt logprobs of this step's prompt positions (their hidden states), on the device:
+        each span's flat tensor waits on its sequence until the sampler brings it back with the
+        step's one transfer (at the latest in the step that computes the prompt's last token)."""
         targets = [t for seq, first, count in spans for t in seq.prompt_token_ids[first + 1:first + 1 + count]]
         k = max(seq.prompt_logprobs.num_top for seq, _, _ in spans)
-        chosen, top_values, top_ids = token_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        chosen, top_values, top_ids = self.runner.score_prompt_rows(
+            hidden, torch.tensor(targets, device=hidden.device), k)
         at = 0
         for seq, first, count in spans:
             scored = seq.prompt_logprobs

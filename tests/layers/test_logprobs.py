@@ -109,10 +109,16 @@ def prompt_reference(model, prompt_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt_ids])).logits[0, :-1].log_softmax(-1)
 
 
-@pytest.mark.parametrize("chunk", [512, 7])   # the prompt in one step, or in chunks of 7 tokens
-def test_prompt_logprobs_are_the_models_log_softmax_however_the_prompt_is_chunked(tiny_model_dir, hf_tiny, chunk):
+# The prompt in one step, or in chunks of 7 tokens; its rows' logits in one piece (85 rows of
+# this vocabulary fit the runner's 16 MB), or 5 rows at a time.
+@pytest.mark.parametrize("chunk, logit_rows", [(512, None), (7, None), (512, 5)])
+def test_prompt_logprobs_are_the_models_log_softmax_however_the_prompt_is_chunked(tiny_model_dir, hf_tiny, chunk,
+                                                                                  logit_rows, monkeypatch):
     engine = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=256,
                                  max_num_batched_tokens=chunk, enable_prefix_caching=True))
+    if logit_rows:
+        from pipeline.engine import model_runner
+        monkeypatch.setattr(model_runner, "CPU_LOGITS_CHUNK_BYTES", logit_rows * 4 * engine.model.args.vocab_size)
     prompt = "Once upon a time, in a land far away, there lived a small dragon who loved to read."
     params = dict(temperature=0, max_tokens=3, ignore_eos=True)
     # The same prompt first without prompt logprobs, so its blocks are in the prefix cache.
