@@ -137,8 +137,21 @@ class BlockManager:
         before any attention reads it (models/llama.py), so requests that arrive together
         compute a shared prefix once."""
         needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
-        reused_free = sum(b in self.cached_free_block_ids for b in cached_block_ids)
         shared = self._shared_write_block(seq)
+        # Most decodes write into a block the sequence already holds alone: nothing to take.
+        if (needed > 0 or shared is not None or cached_block_ids) and \
+                not self._take_blocks(seq, needed, cached_block_ids, shared):
+            return False
+        if self.enable_prefix_caching:
+            # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet
+            # the sequence's: a block is findable only once it is full of real tokens.
+            self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
+        return True
+
+    def _take_blocks(self, seq: Sequence, needed: int, cached_block_ids: list[int], shared: int | None) -> bool:
+        """try_allocate's taking: the cached blocks, `needed` fresh ones and the copy of the
+        shared block about to be written; False, changing nothing, when the pool is short."""
+        reused_free = sum(b in self.cached_free_block_ids for b in cached_block_ids)
         if needed + (shared is not None) > self.num_free_blocks - reused_free:
             return False
         if shared is not None:   # copy on write: the others keep the original
@@ -154,10 +167,6 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet
-            # the sequence's: a block is findable only once it is full of real tokens.
-            self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return True
 
