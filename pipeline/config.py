@@ -51,6 +51,11 @@ class EngineConfig:
     # None: 1024 on a CPU (a step's cost grows with its tokens), 8192 on CUDA (fewer, larger
     # prefill chunks: fewer steps off the decode graphs); see memory_budget.py.
     max_num_batched_tokens: int | None = None
+    # While sequences decode, admit waiting ones only once this many slots are free (or all
+    # that wait fit), so that most steps are plain decodes, which CUDA graphs replay
+    # (scheduler.py). None: max_num_seqs / 8 where decode graphs were captured, else 1 (each
+    # as soon as a slot frees: a CPU has no graphs to keep).
+    admission_group: int | None = None
     max_model_len: int | None = None    # None: the model's own context length
     num_kv_blocks: int | None = None    # override the budget (tests use tiny pools)
     # CPU without quantization: hold linear weights packed once at load, float32 in MKL's
@@ -92,7 +97,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_group",
+                     "num_speculative_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:

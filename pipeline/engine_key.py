@@ -25,8 +25,8 @@ from pipeline.models.bundled import BUNDLED_NAME
 from pipeline.config import QUANTIZATION_REVISIONS, EngineConfig
 
 WORKER_FIELDS = ("device", "kv_cache_gib", "gpu_memory_utilization", "block_size", "max_num_seqs",
-                 "max_num_batched_tokens", "num_kv_blocks", "pack_weights", "enable_prefix_caching",
-                 "attention_backend", "cuda_graphs")
+                 "max_num_batched_tokens", "admission_group", "num_kv_blocks", "pack_weights",
+                 "enable_prefix_caching", "attention_backend", "cuda_graphs")
 
 
 def identity(options: dict) -> dict:

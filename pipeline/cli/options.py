@@ -111,6 +111,10 @@ _ENGINE_OPTIONS = {
                             "of 256; 16 for the packed varlen of torch 2.10/2.11, cpu and reference]"),
     "max_num_seqs": dict(help="Most sequences in one batch  [default: 64 on a CPU, 256 on CUDA]"),
     "max_num_batched_tokens": dict(help="Most tokens in one engine step  [default: 1024 on a CPU, 8192 on CUDA]"),
+    "admission_group": dict(help="While sequences decode, admit waiting ones only once this many slots are "
+                                 "free (or all that wait fit), so that most steps are plain decodes, which "
+                                 "CUDA graphs replay  [default: max-num-seqs / 8 where decode graphs are "
+                                 "captured, else 1]"),
     "max_model_len": dict(help="Longest sequence  [default: the model's context length]"),
     "num_kv_blocks": dict(help="KV-cache blocks, instead of the --kv-cache-gib budget."),
     "enable_prefix_caching": dict(flag="--prefix-caching/--no-prefix-caching",

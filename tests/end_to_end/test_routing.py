@@ -137,6 +137,7 @@ def test_the_engine_key_names_the_model_and_changes_only_with_what_changes_answe
     base = {"model": str(tiny_model_dir)}
     key = engine_key({**base, **options})
     assert key.startswith(f"{tiny_model_dir.name.lower()}-") and len(key.rsplit("-", 1)[1]) == 8
-    assert key == engine_key({**base, **options, **FAST, "max_num_seqs": 7})   # the worker's own options
+    worker_own = {**FAST, "max_num_seqs": 7, "admission_group": 3}   # where and how a worker runs
+    assert key == engine_key({**base, **options, **worker_own})
     assert (key == engine_key(base)) == (not options)
     assert engine_key({}).startswith("smollm2-135m-instruct-")

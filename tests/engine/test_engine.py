@@ -91,6 +91,27 @@ def test_batch_of_32_completes_within_the_token_budget(tiny_engine, batch32):
     assert all_blocks_free(tiny_engine)
 
 
+def test_admission_in_groups_gives_the_same_tokens_in_more_plain_decode_steps(tiny_model_dir, tiny_engine):
+    """Admission in groups changes which steps run what, not what a request gets; a CPU admits
+    each waiting request as soon as a slot frees (it has no decode graphs to keep)."""
+    assert tiny_engine.scheduler.admission_group == 1
+    rng = random.Random(3)
+    requests = [Request(f"g{i}", prompt_token_ids=random_prompt(rng, rng.randint(4, 40)),
+                        params=greedy(rng.randint(2, 24), ignore_eos=True)) for i in range(40)]
+    config = dict(device="cpu", model=str(tiny_model_dir), num_kv_blocks=512, max_num_seqs=8)
+    plain_shares, outputs = [], []
+    for group in (1, 4):
+        engine = Engine(EngineConfig(**config, admission_group=group))
+        assert engine.scheduler.admission_group == group
+        layouts = []
+        prepare = engine.runner._prepare
+        engine.runner._prepare = lambda *a: layouts.append(prepare(*a)) or layouts[-1]
+        outputs.append({rid: out.token_ids for rid, out in run(engine, requests).items()})
+        plain_shares.append(sum(layout.is_plain_decode for layout in layouts) / len(layouts))
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 40
+    assert plain_shares[1] > plain_shares[0] + 0.2, plain_shares
+
+
 @pytest.mark.parametrize("rid", ["r0", "r7", "r17", "r22", "r31"])
 def test_request_alone_matches_it_inside_the_batch(tiny_engine, batch32, rid):
     requests, outputs, _ = batch32

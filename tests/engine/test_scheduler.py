@@ -24,10 +24,10 @@ def make_seq(request_id: str, num_prompt_tokens: int, max_tokens: int = 4,
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=10_000, prefix_caching=False) -> Scheduler:
+                   max_model_len=10_000, prefix_caching=False, admission_group=1) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(bm, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     max_model_len=max_model_len, admission_group=admission_group)
 
 
 def advance(sched: Scheduler, batch) -> list[Sequence]:
@@ -82,6 +82,29 @@ def test_admits_while_budget_and_sequence_limit_allow():
     batch = sched.schedule()
     assert scheduled(batch) == {"s0": 1, "s2": 1, "s3": 5}
     assert batch.num_tokens == 7
+
+
+def test_admission_in_groups_waits_for_that_many_free_slots():
+    sched = make_scheduler(max_num_seqs=4, admission_group=2)
+    seqs = [make_seq(f"s{i}", 4, max_tokens=m) for i, m in enumerate([2, 3, 6, 7, 4, 4, 3])]
+    for s in seqs:
+        sched.add(s)
+    steps = []
+    while sched.num_unfinished:
+        batch = sched.schedule()
+        steps.append(scheduled(batch))
+        advance(sched, batch)
+        check_invariants(sched)
+    assert steps[:6] == [
+        {"s0": 4, "s1": 4, "s2": 4, "s3": 4},   # nothing runs: admitted at once
+        {"s0": 1, "s1": 1, "s2": 1, "s3": 1},   # s0 finishes
+        {"s1": 1, "s2": 1, "s3": 1},            # one slot free: no prefill beside the decodes
+        {"s2": 1, "s3": 1, "s4": 4, "s5": 4},   # s1 finished: two free, two admitted together
+        {"s2": 1, "s3": 1, "s4": 1, "s5": 1},
+        {"s2": 1, "s3": 1, "s4": 1, "s5": 1},   # s2 finishes
+    ]
+    assert steps[6] == {"s3": 1, "s4": 1, "s5": 1, "s6": 4}   # one waits, one slot free: all that wait fit
+    assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
 
 
 def test_token_budget_splits_the_next_prompt():
@@ -229,16 +252,17 @@ def test_finish_and_abort_all_free_every_block():
     assert sched.block_manager.num_free_blocks == 10
 
 
+@pytest.mark.parametrize("admission_group", [1, 3], ids=["admit-each", "admit-in-threes"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix-caching"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_completes_within_limits(seed, prefix_caching):
+def test_random_workload_completes_within_limits(seed, prefix_caching, admission_group):
     """Many sequences through a small pool: every step respects the token budget and
     the sequence limit, blocks are never leaked (nor shared, without prefix caching), and
     everything finishes (the pool is small enough that sequences get preempted, and with
     prefix caching that cached blocks get evicted)."""
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                           prefix_caching=prefix_caching)
+                           prefix_caching=prefix_caching, admission_group=admission_group)
     prefixes = [[rng.randint(0, 50) for _ in range(rng.randint(0, 14))] for _ in range(3)]
     seqs = []
     for i in range(20):
