@@ -21,7 +21,9 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
 - speed (gpu_speed.py): a Llama-3.2-1B-shaped random bf16 model, 256 sequences, 128-token
   prompts, 512-token outputs (--quick: 64 x 128 x 128 on CUDA; a small model on a CPU):
   output tok/s and its share of the HBM roofline (target 0.40), then Hugging Face
-  continuous batching on the same GPU in bf16 (target: ours at least 5x).
+  continuous batching on the same GPU in bf16 (target: ours at least 5x); then a long job's
+  refill (2,048 W1-shaped requests through 256 sequences) admitted one by one and in the
+  engine's groups, A B A B: output tok/s and steps replayed from graphs (measured, no target).
 - fp8, w8a16, w4a16 (PyTorch's own ops, pipeline/layers/weight_quant.py; fp8 skipped below
   compute capability 8.9): each mode's layer on the device against its reference() (the
   CUDA formula in plain PyTorch, on the CPU, from the same quantized tensors), numerics_<mode>
@@ -354,6 +356,7 @@ def check_graph_replay(run: Run) -> None:
 CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_numerics_float32, 20),
           ("numerics_bf16", check_numerics_bf16, 20), ("cuda_graph_replay_equals_eager", check_graph_replay, 30),
           ("no_host_sync_in_decode_step", check_host_syncs, 15), ("throughput_pipeline", gpu_speed.check_speed, 90),
+          ("refill_admission_groups", gpu_speed.check_refill, 60),
           ("quantized_at_load", check_quantized, 30),
           ("quantized_kernels_equal_reference", gpu_quant.check_reference, 10),
           ("numerics_quantized", check_numerics_quantized, 25),

@@ -64,6 +64,71 @@ def check_speed(run) -> None:
     report("throughput_vs_hf_continuous_batching", status, ratio=round(ratio, 2), target=HF_RATIO_TARGET)
 
 
+def check_refill(run) -> None:
+    """A long job's steady state: W1-shaped requests (prompts of 16-256 tokens, 8-128 output
+    tokens) refilling a full batch, admitted each as soon as a slot frees (admission_group 1)
+    and in the engine's default groups, alternating A B A B on one engine: output tok/s and
+    the share of steps replayed from CUDA graphs (benchmarks/decode_share.py counts them on a CPU)."""
+    cuda = run.device == "cuda"
+    requests, seqs = (512 if run.quick else 2048, 256) if cuda else (64 if run.quick else 256, 16)
+    speed = getattr(run, "speed", None)   # throughput_pipeline's model, when it ran
+    model_dir = speed["model_dir"] if speed else gpu_models.build_model(
+        run.tmp / "speed", gpu_models.LLAMA_1B if cuda else gpu_models.SMALL_SPEED, run.tokenizer,
+        torch.bfloat16 if cuda else torch.float32, device=run.device)
+    engine = Engine(EngineConfig(model=str(model_dir), device=run.device, dtype="bfloat16" if cuda else "float32",
+                                 max_model_len=512, max_num_seqs=seqs, kv_cache_gib=16 if cuda else 1))
+    try:
+        # The engine's default where graphs were captured; a CPU (no graphs) runs the same groups.
+        grouped = engine.scheduler.admission_group if engine.runner.graphs is not None else max(1, seqs // 8)
+        rng = random.Random(0)
+        work = [(rng.randint(16, 256), rng.randint(8, 128)) for _ in range(requests)]
+        rounds = []
+        for group in (1, grouped, 1, grouped):   # 20 s a round at most: the quantized checks follow
+            engine.scheduler.admission_group = group
+            rounds.append(dict(admission_group=group,
+                               **_refill_round(engine, work, min(run.deadline, time.monotonic() + 20))))
+    finally:
+        del engine
+        free_memory()
+    a, b = [r["output_tok_s"] for r in rounds[0::2]], [r["output_tok_s"] for r in rounds[1::2]]
+    report("refill_admission_groups", "measured", device=run.device, requests=requests, sequences=seqs,
+           rounds=rounds, grouped_over_each=[round(y / x, 3) for x, y in zip(a, b)])
+
+
+def _refill_round(engine: Engine, work: list[tuple[int, int]], deadline: float) -> dict:
+    """Every request queued at once (the engine's own refill), greedy, EOS off, until done or the deadline."""
+    rng = random.Random(1)
+    for i, (prompt_len, output_len) in enumerate(work):
+        engine.add_request(Request(f"r{i}", prompt_token_ids=[rng.randrange(100, VOCAB) for _ in range(prompt_len)],
+                                   params=SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)))
+    replays, steps, produced = [0], 0, 0
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        replay = graphs.replay
+
+        def counted(*args):
+            replays[0] += 1
+            return replay(*args)
+        graphs.replay = counted
+    try:
+        start = time.monotonic()   # the clock of Run.deadline
+        while engine.has_unfinished_requests and time.monotonic() < deadline:
+            produced += sum(o.output_tokens for o in engine.step())
+            steps += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.monotonic() - start
+    finally:
+        if graphs is not None:
+            del graphs.replay
+        unfinished = engine.scheduler.unfinished()
+        produced += sum(s.num_output_tokens for s in unfinished)
+        engine.abort([s.request_id for s in unfinished])
+        engine.reset_prefix_cache()
+    return dict(steps=steps, graph_steps=replays[0], output_tokens=produced, seconds=round(seconds, 3),
+                output_tok_s=round(produced / seconds, 1), truncated_by_budget=bool(unfinished))
+
+
 def workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, VOCAB) for _ in range(prompt_len)] for _ in range(n)]
