@@ -79,8 +79,9 @@ class Engine:
             from pipeline.engine.cuda_graphs import capture_decode_graphs
             self.runner.graphs = capture_decode_graphs(self.model, self.max_num_seqs, self.scheduler.max_model_len,
                                                        block_size, kv_cache.pad_block, self.device)
-        self.scheduler.admission_group = min(config.admission_group, self.max_num_seqs) if config.admission_group \
-            else max(1, self.max_num_seqs // 8) if self.runner.graphs is not None else 1
+        # Admission in groups keeps most steps decode-only, where decode graphs replay them (scheduler.py).
+        graphs_group = max(1, self.max_num_seqs // 8) if self.runner.graphs is not None else 1
+        self.scheduler.admission_group = min(config.admission_group or graphs_group, self.max_num_seqs)
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size, self.device)
         self._token_texts: dict[int, str] = {}   # logprobs: each token's text
