@@ -20,6 +20,10 @@ def read_workload(path: str) -> list[Request]:
                 continue
             try:
                 row = json.loads(line)
+                if "prompt" not in row:   # an OpenAI batch line, say: say what bench reads
+                    raise ValueError('no "prompt": bench reads the lines ../shared/bench/workload.py writes '
+                                     '(id, prompt, max_tokens, temperature, ignore_eos); `pipeline run` takes '
+                                     'any input file')
                 params = SamplingParams(max_tokens=row.get("max_tokens", 256),
                                         temperature=row.get("temperature", 0.0),
                                         ignore_eos=row.get("ignore_eos", False), logprobs=row.get("logprobs"),

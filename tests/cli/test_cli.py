@@ -439,6 +439,9 @@ def test_bench_with_an_int8_kv_cache_reports_blocks_and_peak_use(runner, data_ro
         result = runner.invoke(main, ["bench", str(src), "--model", str(tiny_model_dir), "--kv-cache-dtype", kv, *FAST])
         assert result.exit_code == 0, result.output
         lines[kv] = json.loads(result.output.strip().splitlines()[-1])
+    openai_line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}
+    refused = runner.invoke(main, ["bench", str(write_jsonl(tmp_path / "openai.jsonl", [openai_line])), *FAST])
+    assert refused.exit_code == 2 and 'line 1: no "prompt": bench reads the lines' in refused.output, refused.output
     auto, int8 = lines["auto"], lines["int8"]
     assert {"engine", "requests", "output_tokens", "output_tok_s", "total_tok_s", "prefix_hit_rate"} <= set(int8)
     assert int8["output_tokens"] == auto["output_tokens"] == 12
