@@ -14,15 +14,15 @@ One JSON line per workload and round, medians in ms.
 
 glibc serves each allocation over 32 MB (here the [256, 49,152] float32 logits) with a fresh
 mmap and unmaps it when freed, so on a CPU every step page-faults the logits in again and
-pays for it in the model runner and at the step's end: 48 against 30 ms a step, and a host
-share of 6-7 against about 3 ms, on an AVX-512 EPYC. A GPU's logits live on the device, so
-the benchmark keeps freed memory in the heap (keep_freed_memory) to time what a GPU's host
-would do; --glibc-defaults times it with glibc's own settings.
+pays for it in the model runner and at the step's end: greedy, 46-48 against 34-35 ms a
+step and a host share of 6.3-6.7 against 2.0-2.1 ms on an AVX-512 EPYC. A GPU's logits
+live on the device, so the benchmark keeps freed memory in the heap
+(pipeline.host_memory.keep_freed_memory) to time what a GPU's host would do;
+--glibc-defaults times it with glibc's own settings.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import random
 import statistics
@@ -34,6 +34,7 @@ import torch
 
 from gpu_models import build_model, find_tokenizer
 from pipeline import EngineConfig, Request
+from pipeline.host_memory import keep_freed_memory
 from pipeline.engine.engine import Engine
 from pipeline.sampling_params import SamplingParams
 
@@ -42,17 +43,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             bos_token_id=1, eos_token_id=2)
 WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0),
              "stop string": dict(temperature=0.0, stop=["<never-appears>"])}
-
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory() -> None:
-    """No mmap for large blocks and no trimming of the heap: a step's freed tensors serve the next."""
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)):
-        raise RuntimeError("glibc's mallopt refused; pass --glibc-defaults")
 
 
 class Timed:
@@ -108,8 +98,8 @@ def main() -> None:
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (large blocks mapped afresh every step)")
     args = parser.parse_args()
-    if not args.glibc_defaults:
-        keep_freed_memory()
+    if not args.glibc_defaults and not keep_freed_memory():
+        raise SystemExit("glibc's mallopt refused (not glibc?): pass --glibc-defaults")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "tiny", TINY, find_tokenizer(args.tokenizer), torch.float32)
         engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=args.seqs,

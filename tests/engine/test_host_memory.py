@@ -69,3 +69,32 @@ def test_a_users_own_choice_is_left_alone(monkeypatch):
 def test_the_pipeline_command_and_a_celery_worker_set_it(tmp_path):
     assert arenas_used("cli", PIPELINE_DATA_DIR=str(tmp_path)) == 1
     assert arenas_used("worker") == 1
+
+
+# A 64 MB block: mapped on its own by glibc's defaults (over its 32 MB ceiling), from the heap once kept.
+COUNT_MAPPED = r"""
+import ctypes, sys
+from pipeline.host_memory import keep_freed_memory
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+before = libc.mallinfo2().hblks   # what importing mapped already
+block = libc.malloc(64 << 20)
+print(libc.mallinfo2().hblks - before)
+libc.free(block)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc is Linux's")
+@pytest.mark.parametrize("mode, mapped", [("default", 1), ("keep", 0)])
+def test_keep_freed_memory_serves_large_blocks_from_the_heap(mode, mapped):
+    done = subprocess.run([sys.executable, "-c", COUNT_MAPPED, mode], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))})
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) == mapped
