@@ -4,7 +4,7 @@
     python benchmarks/decode_share.py [--requests 2048] [--seqs 256] [--groups 1,16,32,64]
 
 A tiny random Llama (host_step.py's) on the CPU runs `requests` greedy requests shaped like
-W1 (prompts of 16-256 tokens, 8-128 output tokens) through an engine holding `seqs`
+W1 (gpu_speed.refill_requests: prompts of 16-256 tokens, 8-128 output tokens) through an engine holding `seqs`
 sequences, with CUDA's default token budget (8,192) where seqs > 64. As requests finish,
 waiting ones take their slots; each admission puts a prefill beside the decodes, and such
 a mixed step runs eagerly on a GPU. For each admission group (EngineConfig.admission_group:
@@ -16,31 +16,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import tempfile
 from pathlib import Path
 
 import torch
 
 from gpu_models import build_model, find_tokenizer
+from gpu_speed import refill_requests
 from host_step import TINY
-from pipeline import EngineConfig, Request
+from pipeline import EngineConfig
 from pipeline.engine.engine import Engine
-from pipeline.sampling_params import SamplingParams
 
 
 def count_steps(model: Path, requests: int, seqs: int, group: int) -> dict:
     engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=seqs,
                                  max_num_batched_tokens=8192 if seqs > 64 else None, kv_cache_gib=1,
                                  admission_group=group))
-    rng = random.Random(0)
-    work = [Request(f"r{i}", prompt_token_ids=[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))],
-                    params=SamplingParams(max_tokens=rng.randint(8, 128), ignore_eos=True, temperature=0.0))
-            for i in range(requests)]
     layouts = []
     prepare = engine.runner._prepare
     engine.runner._prepare = lambda *args: layouts.append(prepare(*args)) or layouts[-1]
-    outputs = list(engine.generate(work))
+    outputs = list(engine.generate(refill_requests(requests)))
     if any(o.error for o in outputs):
         raise RuntimeError(f"a request failed: {next(o.error for o in outputs if o.error)}")
     decode_only = sum(layout.is_plain_decode for layout in layouts)

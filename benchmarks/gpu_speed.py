@@ -80,13 +80,11 @@ def check_refill(run) -> None:
     try:
         # The engine's default where graphs were captured; a CPU (no graphs) runs the same groups.
         grouped = engine.scheduler.admission_group if engine.runner.graphs is not None else max(1, seqs // 8)
-        rng = random.Random(0)
-        work = [(rng.randint(16, 256), rng.randint(8, 128)) for _ in range(requests)]
         rounds = []
         for group in (1, grouped, 1, grouped):   # 20 s a round at most: the quantized checks follow
             engine.scheduler.admission_group = group
-            rounds.append(dict(admission_group=group,
-                               **_refill_round(engine, work, min(run.deadline, time.monotonic() + 20))))
+            rounds.append(dict(admission_group=group, **_refill_round(engine, refill_requests(requests),
+                                                                      min(run.deadline, time.monotonic() + 20))))
     finally:
         del engine
         free_memory()
@@ -95,12 +93,19 @@ def check_refill(run) -> None:
            rounds=rounds, grouped_over_each=[round(y / x, 3) for x, y in zip(a, b)])
 
 
-def _refill_round(engine: Engine, work: list[tuple[int, int]], deadline: float) -> dict:
-    """Every request queued at once (the engine's own refill), greedy, EOS off, until done or the deadline."""
-    rng = random.Random(1)
-    for i, (prompt_len, output_len) in enumerate(work):
-        engine.add_request(Request(f"r{i}", prompt_token_ids=[rng.randrange(100, VOCAB) for _ in range(prompt_len)],
-                                   params=SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)))
+def refill_requests(n: int, seed: int = 0) -> list[Request]:
+    """n greedy requests shaped like W1 (prompts of 16-256 random tokens, 8-128 output tokens,
+    EOS off), the same for the same seed: a long job's refill (also benchmarks/decode_share.py)."""
+    rng = random.Random(seed)
+    return [Request(f"r{i}", prompt_token_ids=[rng.randrange(100, VOCAB) for _ in range(rng.randint(16, 256))],
+                    params=SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 128), ignore_eos=True))
+            for i in range(n)]
+
+
+def _refill_round(engine: Engine, requests: list[Request], deadline: float) -> dict:
+    """Every request queued at once (the engine's own refill), stepped until done or the deadline."""
+    for request in requests:
+        engine.add_request(request)
     replays, steps, produced = [0], 0, 0
     graphs = engine.runner.graphs
     if graphs is not None:

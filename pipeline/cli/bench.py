@@ -20,7 +20,7 @@ def read_workload(path: str) -> list[Request]:
                 continue
             try:
                 row = json.loads(line)
-                if "prompt" not in row:   # an OpenAI batch line, say: say what bench reads
+                if "prompt" not in row:   # an OpenAI batch line, for one: name what bench reads
                     raise ValueError('no "prompt": bench reads the lines ../shared/bench/workload.py writes '
                                      '(id, prompt, max_tokens, temperature, ignore_eos); `pipeline run` takes '
                                      'any input file')

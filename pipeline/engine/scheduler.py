@@ -19,8 +19,8 @@ Admission in groups (`admission_group` > 1, the default where CUDA graphs run): 
 sequences decode, waiting ones are admitted only once that many slots are free (or all the
 waiting fit), together. Admitting each as soon as one slot frees puts a prefill chunk
 beside the decodes in nearly every step of a long job, and such a mixed step cannot replay
-a decode graph. On a W1-shaped job of 2,048 requests at 256 sequences, 23% of steps were
-plain decodes, and 91% in groups of 32, for 4.6% more steps (benchmarks/decode_share.py).
+a decode graph. On a W1-shaped job of 2,048 requests at 256 sequences, 22% of steps were
+plain decodes, and 91% in groups of 32, for 5.4% more steps (benchmarks/decode_share.py).
 
 n > 1: a request's first sequence computes the prompt alone; once it is computed, `fork`
 adds the other choices as running sequences sharing its blocks (as many as the sequence
