@@ -80,6 +80,10 @@ class EngineConfig:
     # CUDA: replay decode-only steps from CUDA graphs captured at bucketed batch sizes
     # (cuda_graphs.py; varlen and reference backends). Ignored on a CPU.
     cuda_graphs: bool = True
+    # Launch each step before the host has read the step before it back, so that the host's
+    # scheduling and bookkeeping run beside the device's work (engine.py, "Overlapped steps").
+    # None: on CUDA, off on a CPU (whose forward is the host's own work). Never with drafts.
+    overlap_steps: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -5,9 +5,9 @@ A job's engine options split in two:
   any option added later, unless it is listed below): jobs that differ here need
   different engines, so they get different keys, and the workers route on the key;
 * where and how much a worker runs at once (WORKER_FIELDS: device, KV-cache budget,
-  batch limits, weight packing, prefix caching, attention backend, CUDA graphs). These
-  are the worker's own: on a worker its own values apply whatever a job asked for, and
-  `pipeline run` uses the job's.
+  batch limits, weight packing, prefix caching, attention backend, CUDA graphs,
+  overlapped steps). These are the worker's own: on a worker its own values apply
+  whatever a job asked for, and `pipeline run` uses the job's.
 
 The key reads `<model>-<8 hex digits>`: the model's directory name (or the bundled
 model's name) for people, and a hash of the identity for exactness. It is stable across
@@ -26,7 +26,7 @@ from pipeline.config import QUANTIZATION_REVISIONS, EngineConfig
 
 WORKER_FIELDS = ("device", "kv_cache_gib", "gpu_memory_utilization", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "admission_group", "num_kv_blocks", "pack_weights",
-                 "enable_prefix_caching", "attention_backend", "cuda_graphs")
+                 "enable_prefix_caching", "attention_backend", "cuda_graphs", "overlap_steps")
 
 
 def identity(options: dict) -> dict:

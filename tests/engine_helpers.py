@@ -42,3 +42,15 @@ def all_blocks_free(engine: Engine) -> bool:
 
 def sampled(seed, max_tokens=12, **kw) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True, **kw)
+
+
+def stop_after(checks: int):
+    """A should_stop for generate() that turns true after `checks` checks (one per step)."""
+    calls = 0
+
+    def should_stop() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls > checks
+
+    return should_stop

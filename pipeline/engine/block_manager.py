@@ -144,8 +144,9 @@ class BlockManager:
             return False
         if self.enable_prefix_caching:
             # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet
-            # the sequence's: a block is findable only once it is full of real tokens.
-            self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
+            # the sequence's, and a pending token's id is not known yet (overlapped steps):
+            # a block is findable only once the host knows it full of real tokens.
+            self._cache_full_blocks(seq, min(num_tokens, seq.num_known_tokens) // self.block_size)
         return True
 
     def _take_blocks(self, seq: Sequence, needed: int, cached_block_ids: list[int], shared: int | None) -> bool:
@@ -233,6 +234,14 @@ class BlockManager:
             block.hash = None
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Make findable the full blocks of seq's computed tokens whose ids the host now knows:
+        overlapped steps compute a token before its id comes back (try_allocate leaves its
+        block for the next step, which a sequence that finishes never has). Not for drafted
+        sequences: a rejected draft's slot is computed but holds another token."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size)
 
     def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
         """Make seq's blocks [seq.num_registered_blocks, num_full_blocks) findable."""

@@ -117,8 +117,11 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
             torch.cuda.synchronize()
 
-    def replay(self, layout: StepLayout, to_device: HostToDevice) -> torch.Tensor:
-        """Hidden states [b, hidden] of a plain decode step of b sequences."""
+    def replay(self, layout: StepLayout, to_device: HostToDevice, pending=None) -> torch.Tensor:
+        """Hidden states [b, hidden] of a plain decode step of b sequences; pending (a
+        model_runner.PendingInputs) fills the rows whose token is still on the device."""
         bucket = self.load(layout, to_device)
+        if pending is not None:
+            pending.fill(self.input_ids)
         self.graphs[bucket].replay()
         return self.hidden[:layout.num_seqs]

@@ -7,12 +7,27 @@ never decoded: the step that computes its last prompt token pools its hidden sta
     engine = Engine(EngineConfig(model="path/to/hf-dir"))
     for out in engine.generate(requests):   # each result as soon as it finishes
         ...
+
+Overlapped steps (EngineConfig.overlap_steps, on by default on CUDA): a step's sampled
+tokens stay on the device while the next step is scheduled and launched, its decode rows
+taking those tokens as their input there (model_runner.PendingInputs); only then does the
+host wait for them, and append them, check stops and retire what finished, while the device
+runs the step after. So the host's per-step work (scheduling, layout, bookkeeping: a few
+ms at 256 sequences, benchmarks/host_step.py) runs beside the device's instead of between
+its steps. Until a token comes back its place holds PENDING_TOKEN; a sequence that turns
+out to have finished has run one row too many, which is dropped. Steps overlap only while
+every sequence that runs or may be admitted needs nothing of its newest token on the host
+before the next forward (Sequence.overlaps: no grammar, penalty, bias, logprobs, n > 1,
+drafts or pooling); otherwise the step in flight is read back first. Greedy and seeded
+output is the same token for token.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +39,7 @@ from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.engine.generation import generate
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.scheduler import Scheduler
-from pipeline.engine.sequence import Sequence
+from pipeline.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from pipeline.engine.speculative import Speculator
 from pipeline.layers import attention
 from pipeline.layers.grammar_masks import StructuredOutputs
@@ -38,6 +53,32 @@ from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, r
 from pipeline.models.pooling_config import read_pooling_config
 from pipeline.prompts import prompt_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
+
+
+@dataclass(slots=True)
+class StepInFlight:
+    """A launched step whose sampled tokens the host has not read (overlapped steps): its
+    sampling sequences, their tokens on the device, and a host copy of them, complete once
+    `copied` has fired (CUDA; on a CPU the tokens are the host copy)."""
+    sampling: list[Sequence]
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    copied: object = None   # torch.cuda.Event
+
+    @classmethod
+    def launch(cls, sampling: list[Sequence], tokens: torch.Tensor) -> "StepInFlight":
+        if tokens.device.type != "cuda":
+            return cls(sampling, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(sampling, tokens, host, copied)
+
+    def token_ids(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()   # this step's tokens only: the step after it keeps running
+        return self.host_tokens.tolist()
 
 
 class Engine:
@@ -86,7 +127,11 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size, self.device)
         self._token_texts: dict[int, str] = {}   # logprobs: each token's text
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
+        overlap = config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
+        self.overlap_steps = overlap and config.speculative == "none"   # drafts are proposed from the newest tokens
+        self._in_flight: StepInFlight | None = None
         self.num_steps = 0
+        self.num_overlapped_steps = 0   # steps launched before the one before them was read back
         if config.quantization == "w8a8":   # smoothed on its float model's ranges, so once the model runs
             quantize_w8a8(self.model, self._calibrate)
 
@@ -167,6 +212,9 @@ class Engine:
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_outputs(request, error, len(prompt_ids), arrival)
+        params = request.params
+        seq.overlaps = (self.overlap_steps and params.n == 1 and params.is_plain and seq.matcher is None
+                        and seq.prompt_logprobs is None and seq.pooling is None)
         self.scheduler.add(seq)
         return []
 
@@ -195,13 +243,20 @@ class Engine:
         self.scheduler.abort(set(request_ids))
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it (or timed out before it)."""
-        timed_out = self._retire_timed_out()
+        """One engine step; returns the requests that finished in it (or timed out before it).
+        Overlapped, it launches a step and returns those the step before it finished."""
+        finished = self._retire_timed_out()
+        overlap = self.overlap_steps and self._all_overlap()
+        if self._in_flight is not None and not overlap:   # this step needs its tokens on the host
+            finished += self._read_back()
         if not self.scheduler.num_unfinished:
-            return timed_out
+            self._in_flight = None   # every sequence in it finished: its rows are dropped
+            return finished
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self._in_flight is not None:   # only sequences whose pending token is their last
+                return finished + self._read_back()
             raise RuntimeError("scheduler produced an empty step with work pending")
         now = time.perf_counter()
         for seq in batch.seqs:
@@ -209,10 +264,11 @@ class Engine:
                 seq.first_scheduled_time = now
         try:
             self.runner.copy_blocks(self.block_manager.take_copies())   # forked choices' copies on write
-            step = self.runner.run(batch)
+            step = self.runner.run(batch, self._in_flight.tokens if self._in_flight is not None else None)
         except BaseException:
             # This step's full blocks were already made findable; their content may now
             # never have been written. Drop the work and the whole cache, not just those.
+            self._in_flight = None
             self.scheduler.abort_all()
             self.block_manager.reset_prefix_cache()
             raise
@@ -222,16 +278,20 @@ class Engine:
         if step.prompt_spans:
             self._score_prompts(step.prompt_hidden, step.prompt_spans)
         if step.pooled:
-            timed_out += self._retire_pooled(step.pooled)
+            finished += self._retire_pooled(step.pooled)
         sampling, logits = step.sampling, step.logits
+        if overlap:   # read back the step before while this one runs
+            launched = self._launch_sampling(sampling, logits) if sampling else None
+            finished += self._read_back()
+            self._in_flight = launched
+            return finished
         if not sampling:
-            return timed_out
+            return finished
         if any(seq.num_forks for seq in sampling):
             sampling, logits = self._fork(sampling, logits)
         self._mask_constrained(logits, sampling)
         new_tokens = self.speculator.sample(logits, sampling)   # one each; up to 1 + K with drafts
         now = time.perf_counter()
-        finished = timed_out
         for seq, tokens in zip(sampling, new_tokens):
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -243,6 +303,68 @@ class Engine:
             elif seq.draft_token_ids:
                 self.scheduler.discard_rejected(seq)
         return finished
+
+    def _all_overlap(self) -> bool:
+        """Whether every running sequence, and every waiting one this step may admit, can
+        have its next step launched before its newest token is read (Sequence.overlaps)."""
+        scheduler = self.scheduler
+        room = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        return (all(seq.overlaps for seq in scheduler.running)
+                and all(seq.overlaps for seq in itertools.islice(scheduler.waiting, room)))
+
+    def _launch_sampling(self, sampling: list[Sequence], logits: torch.Tensor) -> StepInFlight:
+        """Sample this step's tokens on the device, their places held by PENDING_TOKEN until
+        they are read back."""
+        launched = StepInFlight.launch(sampling, self.sampler.draw(logits, sampling))
+        for row, seq in enumerate(sampling):
+            seq.output_token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens += 1
+            seq.pending_row = row
+        if self._in_flight is not None:
+            self.num_overlapped_steps += 1
+        return launched
+
+    def _read_back(self) -> list[RequestOutput]:
+        """Wait for the step in flight's tokens, put them in their places and retire the
+        sequences they finished."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        tokens = in_flight.token_ids()
+        now = time.perf_counter()
+        finished = []
+        for seq, token in zip(in_flight.sampling, tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue   # retired while its token was in flight (a timeout, an abort)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._resolve_pending(seq, token):
+                seq.finish_time = now
+                self.block_manager.cache_computed_blocks(seq)
+                self.scheduler.finish(seq)
+                finished.append(_output_of(seq))
+        return finished
+
+    def _resolve_pending(self, seq: Sequence, token: int) -> bool:
+        """Put `token` in seq's oldest pending place; returns True when it finishes seq (the
+        pending token after it, if the step in flight computes one, is then dropped)."""
+        out = seq.output_token_ids
+        seq.num_pending_tokens -= 1
+        later = seq.num_pending_tokens
+        if later:
+            del out[-later:]
+        out[-1] = token
+        if self._token_ends(seq, token):
+            seq.num_pending_tokens = 0
+            return True
+        out.extend([PENDING_TOKEN] * later)
+        return False
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        """Forget seq's tokens still in flight (it is retired before they come back)."""
+        if seq.num_pending_tokens:
+            del seq.output_token_ids[-seq.num_pending_tokens:]
+            seq.num_pending_tokens = 0
 
     def _retire_pooled(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Finish the embedding sequences whose prompt this step completed, with their vectors."""
@@ -340,6 +462,7 @@ class Engine:
         now = time.perf_counter()
         expired = [seq for seq in self.scheduler.unfinished() if seq.is_timed_out(now)]
         for seq in expired:
+            self._drop_pending(seq)
             seq.detokenizer.flush()
             seq.finish_reason, seq.finish_time = FinishReason.TIMEOUT, now
             if seq.matcher is not None:
@@ -359,6 +482,10 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; returns True when the sequence is finished."""
         seq.output_token_ids.append(token)
+        return self._token_ends(seq, token)
+
+    def _token_ends(self, seq: Sequence, token: int) -> bool:
+        """Whether seq's newest token, `token`, finishes it (then its finish_reason is set)."""
         params = seq.params
         matcher = seq.matcher
         if matcher is not None:

@@ -20,6 +20,10 @@ hidden states, and the step names those whose prompt is now complete (`pooled`).
 
 Decode-only steps on CUDA replay a captured CUDA graph when the backend allows it
 (cuda_graphs.py); every other step runs eagerly.
+
+Overlapped steps (engine.py): a decoding sequence whose newest token the previous step
+sampled and the host has not read back holds PENDING_TOKEN there; `run` takes that step's
+sampled tokens, still on the device, and fills those input rows from them before the forward.
 """
 from __future__ import annotations
 
@@ -40,6 +44,17 @@ from pipeline.engine.sequence import Sequence
 # prompt-scoring job (W1's 64 prompts, logprobs of every prompt token) ran 1.15x faster and
 # peaked 330 MB lower. CUDA's caching allocator keeps its blocks: there the rows go whole.
 CPU_LOGITS_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(slots=True)
+class PendingInputs:
+    """Input rows whose token the previous step sampled and the host has not read back."""
+    rows: torch.Tensor      # [k] rows of this step's input ids
+    sources: torch.Tensor   # [k] their rows in `tokens`
+    tokens: torch.Tensor    # the previous step's sampled tokens, on the device
+
+    def fill(self, input_ids: torch.Tensor) -> None:
+        input_ids.index_copy_(0, self.rows, self.tokens.index_select(0, self.sources))
 
 
 @dataclass(slots=True)
@@ -77,21 +92,24 @@ class ModelRunner:
             self.kv_cache.copy_blocks(copies)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepLogits:
+    def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> StepLogits:
         """Run one step: the logits of the sequences that sample now, and of the prompt
-        positions whose logprobs are asked for (Sequence.wants_prompt_logits)."""
+        positions whose logprobs are asked for (Sequence.wants_prompt_logits).
+        previous_tokens: the tokens the step in flight sampled, on the device, which its
+        sequences' pending rows take (overlapped steps)."""
         order = sorted(range(len(batch.seqs)),
                        key=lambda i: not (batch.num_new_tokens[i] == 1 or batch.seqs[i].draft_token_ids))
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
         layout = self._prepare(seqs, num_new)
+        pending = self._pending_inputs(seqs, num_new, previous_tokens)
         sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n >= s.num_tokens and s.pooling is None]
         prompt_rows, spans = _prompt_rows(seqs, num_new)
         if (self.graphs is not None and layout.is_plain_decode and len(sampling) == layout.num_seqs
                 and not spans and self.graphs.serves(layout.num_seqs)):
-            hidden = self.graphs.replay(layout, self.to_device)   # every row samples
+            hidden = self.graphs.replay(layout, self.to_device, pending)   # every row samples
             return StepLogits(sampling, self.model.compute_logits(hidden))
-        hidden = self.forward(layout)                                   # [tokens, hidden]
+        hidden = self.forward(layout, pending)                             # [tokens, hidden]
         pooled = self.pooler.collect(hidden, seqs, num_new) if self.pooler is not None else []
         prompt_hidden = hidden[self.to_device("prompt_rows", prompt_rows)] if spans else None
         if not sampling:
@@ -111,11 +129,32 @@ class ModelRunner:
                  for i in range(0, len(hidden), rows)]
         return tuple(torch.cat(columns) for columns in zip(*parts))
 
-    def forward(self, layout: StepLayout) -> torch.Tensor:
+    def forward(self, layout: StepLayout, pending: PendingInputs | None = None) -> torch.Tensor:
         """The eager forward of a step: hidden states [tokens, hidden]."""
         meta = self.backend.build_metadata(layout, self.kv_cache.num_kv_heads, self.to_device)
-        return self.model(self.to_device("input_ids", layout.input_ids),
-                          self.to_device("positions", layout.positions), meta)
+        input_ids = self.to_device("input_ids", layout.input_ids)
+        if pending is not None:
+            pending.fill(input_ids)
+        return self.model(input_ids, self.to_device("positions", layout.positions), meta)
+
+    def _pending_inputs(self, seqs: list[Sequence], num_new: list[int],
+                        previous_tokens: torch.Tensor | None) -> PendingInputs | None:
+        """The input rows of the sequences whose newest token is pending (each decodes just
+        that token)."""
+        rows, sources, row = [], [], 0
+        for seq, n in zip(seqs, num_new):
+            if seq.num_pending_tokens:
+                if n != 1 or previous_tokens is None:
+                    raise RuntimeError(f"sequence {seq.request_id!r}: a pending token must be the one input of a "
+                                       f"decode after the step that sampled it")
+                rows.append(row)
+                sources.append(seq.pending_row)
+            row += n
+        if not rows:
+            return None
+        return PendingInputs(self.to_device("pending_rows", np.asarray(rows, dtype=np.int64)),
+                             self.to_device("pending_sources", np.asarray(sources, dtype=np.int64)),
+                             previous_tokens)
 
     def _prepare(self, seqs: list[Sequence], num_new: list[int]) -> StepLayout:
         bs = self.block_size

@@ -85,6 +85,8 @@ class Scheduler:
         queue = deque(self.running)
         while queue and budget > 0:
             seq = queue.popleft()
+            if seq.num_pending_tokens and seq.num_output_tokens >= seq.params.max_tokens:
+                continue   # its pending token is its last (overlapped steps): nothing to compute
             n = min(seq.num_uncomputed_tokens, budget)
             if seq.draft_token_ids:
                 del seq.draft_token_ids[max(0, min(budget - 1, self.max_model_len - seq.num_tokens)):]

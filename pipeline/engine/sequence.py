@@ -11,6 +11,10 @@ from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.request import FinishReason
 from pipeline.sampling_params import SamplingParams
 
+# Overlapped steps (engine.py): an output token sampled on the device and not read back yet.
+# Negative, so that a forward fed one by mistake fails at its embedding instead of running.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -86,6 +90,13 @@ class Sequence:
         self.pooling = pooling
         self.pooled = None
         self.reads_every_position = False   # its pooling needs every prompt position's hidden state
+        # Overlapped steps (engine.py): whether they may run it (nothing on the host reads its
+        # newest token before the next forward), how many PENDING_TOKENs end its output (1, or
+        # 2 while the step after the one that sampled them is in flight), and the row of the
+        # newest among its step's sampled tokens, which the next forward takes as its input.
+        self.overlaps = False
+        self.num_pending_tokens = 0
+        self.pending_row = 0
 
     @property
     def seed(self) -> int | None:
@@ -133,6 +144,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens whose ids the host has (all but the pending ones)."""
+        return self.num_tokens - self.num_pending_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -39,9 +39,22 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    @torch.inference_mode()  # the logits are inference tensors; the penalty edits them in place
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [len(seqs), vocab] float32 -> one token id per sequence."""
+        tokens = self.draw(logits, seqs)
+        # Prompt logprobs computed in this or earlier steps (Engine._score_prompts), once per
+        # request (the forks of an n > 1 request share them).
+        prompts = list({id(s.prompt_logprobs): s.prompt_logprobs for s in seqs
+                        if s.prompt_logprobs is not None and s.prompt_logprobs.pending}.values())
+        if prompts or any(s.logprobs is not None for s in seqs):
+            return self._with_logprobs(logits, tokens, seqs, prompts)
+        return tokens.tolist()   # the step's one host transfer
+
+    @torch.inference_mode()  # the logits are inference tensors; the penalty edits them in place
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [len(seqs), vocab] float32 -> one token id per sequence, on the device
+        (nothing read back: overlapped steps feed them to the next forward as they are)."""
         self._apply_penalties(logits, seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         tokens = top_tokens.argmax(logits) if len(sampled) < len(seqs) else None
@@ -54,13 +67,7 @@ class Sampler:
                 tokens = drawn
             else:
                 tokens[self._to_device(np.asarray(sampled, dtype=np.int64))] = drawn
-        # Prompt logprobs computed in this or earlier steps (Engine._score_prompts), once per
-        # request (the forks of an n > 1 request share them).
-        prompts = list({id(s.prompt_logprobs): s.prompt_logprobs for s in seqs
-                        if s.prompt_logprobs is not None and s.prompt_logprobs.pending}.values())
-        if prompts or any(s.logprobs is not None for s in seqs):
-            return self._with_logprobs(logits, tokens, seqs, prompts)
-        return tokens.tolist()   # the step's one host transfer
+        return tokens
 
     def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence],
                        prompts: list) -> list[int]:

@@ -40,9 +40,9 @@ def computed_tokens(engine: Engine, requests) -> tuple[dict, int]:
     counted = []
     run = engine.runner.run
 
-    def counting(batch):
+    def counting(batch, *rest):
         counted.append(batch.num_tokens)
-        return run(batch)
+        return run(batch, *rest)
     engine.runner.run = counting
     try:
         outputs = by_choice(engine.generate(requests))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled, stop_after
 from cluster import TINY_CONTEXT, TOO_LONG_FOR_TINY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
@@ -156,9 +156,9 @@ def test_a_step_reads_one_tensor_back_to_the_host(tiny_engine, host_reads):
     run_model = tiny_engine.runner.run
     forward_reads = []
 
-    def counted_run(batch):
+    def counted_run(batch, *rest):
         before = sum(host_reads.values())
-        result = run_model(batch)
+        result = run_model(batch, *rest)
         forward_reads.append(sum(host_reads.values()) - before)
         return result
 
@@ -386,15 +386,8 @@ def test_should_stop_ends_generation_and_frees_blocks(tiny_engine):
     rng = random.Random(5)
     requests = [Request(f"x{i}", prompt_token_ids=random_prompt(rng, 20 + i), params=greedy(200, ignore_eos=True))
                 for i in range(6)]
-    calls = 0
-
-    def should_stop():
-        nonlocal calls
-        calls += 1
-        return calls > 5
-
     steps_before = tiny_engine.num_steps
-    outs = run(tiny_engine, requests, should_stop=should_stop)
+    outs = run(tiny_engine, requests, should_stop=stop_after(5))
     assert outs == {}                                      # nothing could finish in 5 steps
     assert tiny_engine.num_steps - steps_before == 5
     assert all_blocks_free(tiny_engine)

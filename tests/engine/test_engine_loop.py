@@ -125,7 +125,7 @@ def test_a_request_that_cannot_run_fails_alone_in_its_own_stream(engine, loop):
 
 def test_an_engine_failure_reaches_its_callers_and_the_loop_goes_on(engine, loop, monkeypatch):
     real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda batch: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(engine.runner, "run", lambda *args: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
         list(loop.generate(requests_of(5, 3)))
     monkeypatch.setattr(engine.runner, "run", real_run)

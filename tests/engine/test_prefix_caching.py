@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipeline import Engine, EngineConfig, Request
-from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled, stop_after
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
@@ -127,14 +127,7 @@ def test_stop_strings_and_aborts_release_every_reference(cold):
     assert out.finish_reason == "stop"
     assert out.cached_tokens == (len(requests[0].prompt_token_ids) - 1) // BLOCK * BLOCK
     # Abort mid-way: every sequence sharing the prefix lets go of it.
-    calls = 0
-
-    def should_stop():
-        nonlocal calls
-        calls += 1
-        return calls > 3
-
-    assert run(cold, requests, should_stop=should_stop) == {}
+    assert run(cold, requests, should_stop=stop_after(3)) == {}
     assert cold.block_manager.num_cached_blocks >= 2
 
 
@@ -143,7 +136,7 @@ def test_a_failed_step_forgets_the_cache(cold, monkeypatch):
     content was never written, so the engine must not serve them afterwards."""
     request = shared_prefix_requests(1, prefix_len=40, seed=9)[0]
 
-    def broken_run(batch):
+    def broken_run(batch, *rest):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(cold.runner, "run", broken_run)

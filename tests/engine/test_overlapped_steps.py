@@ -1,0 +1,180 @@
+"""Overlapped steps (engine.py): each step launched before the one before it is read back.
+
+On a CPU the forward is the host's own work, so nothing runs side by side here; what these
+tests hold is that the pipelining changes nothing a request gets: the same greedy and
+seeded tokens, text and finish reasons as serial steps, with early stops (stop tokens and
+stop strings, which the host only sees a step late), preemption, prefix caching, timeouts,
+cancellation and requests that need their tokens on the host at once.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from pipeline.engine.block_manager import block_hash
+from pipeline.engine.sequence import PENDING_TOKEN
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled, stop_after
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
+
+SHARED_PREFIX = list(range(300, 340))   # 40 tokens: two full blocks of 16 that requests share
+
+
+def mixed_requests(count: int = 40, seed: int = 1) -> list[Request]:
+    """Greedy to a length, greedy ended early by a stop token, seeded sampling, and greedy
+    cut by a stop string; every third prompt starts with the shared prefix."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        prompt = (SHARED_PREFIX if i % 3 == 0 else []) + random_prompt(rng, rng.randrange(3, 50))
+        params = [greedy(rng.randrange(1, 30)),
+                  greedy(24, stop_token_ids=[rng.randrange(100, 49000) for _ in range(400)]),
+                  sampled(i, rng.randrange(1, 25)),
+                  greedy(25, stop=["e"])][i % 4]
+        requests.append(Request(f"r{i}", prompt_token_ids=prompt, params=params))
+    return requests
+
+
+def engine_for(model_dir, overlap: bool, **config) -> Engine:
+    return Engine(EngineConfig(device="cpu", model=str(model_dir), overlap_steps=overlap, **config))
+
+
+def answers(outputs: dict) -> dict:
+    return {rid: (out.token_ids, out.text, out.finish_reason) for rid, out in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def serial_and_overlapped(tiny_model_dir):
+    """The mixed requests through a roomy pool, serial and overlapped: the engines and outputs."""
+    runs = {}
+    for overlap in (False, True):
+        engine = engine_for(tiny_model_dir, overlap, **BIG_POOL)
+        runs[overlap] = engine, run(engine, mixed_requests())
+    return runs
+
+
+def test_overlapped_steps_give_the_serial_answers(serial_and_overlapped):
+    (serial, serial_out), (overlapped, overlapped_out) = serial_and_overlapped[False], serial_and_overlapped[True]
+    assert len(overlapped_out) == 40 and answers(overlapped_out) == answers(serial_out)
+    for out in overlapped_out.values():
+        check_output(out, overlapped)
+    reasons = {out.finish_reason for out in overlapped_out.values()}
+    assert reasons == {"stop", "length"}   # early stops really happened, a step before the host saw them
+    assert serial.num_overlapped_steps == 0
+    assert overlapped.num_overlapped_steps >= 0.8 * overlapped.num_steps, (overlapped.num_overlapped_steps,
+                                                                           overlapped.num_steps)
+    assert all_blocks_free(overlapped)
+
+
+def test_the_prefix_cache_holds_only_known_tokens(serial_and_overlapped):
+    """A block is findable only once the host knows every token in it: every hash the
+    overlapped engine cached chains real tokens of some request (never a pending one), and
+    it cached everything the serial engine did."""
+    (serial, _), (overlapped, outputs) = serial_and_overlapped[False], serial_and_overlapped[True]
+    bs = overlapped.block_size
+    real = set()
+    for request in mixed_requests():
+        tokens = request.prompt_token_ids + outputs[request.id].token_ids
+        parent = None
+        for i in range(len(tokens) // bs):
+            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            real.add(parent)
+    cached = set(overlapped.block_manager.cached_block_ids)
+    assert cached <= real
+    assert set(serial.block_manager.cached_block_ids) <= cached
+    assert block_hash(None, SHARED_PREFIX[:bs]) in cached
+
+
+def test_a_small_pool_preempts_and_still_gives_the_serial_answers(tiny_model_dir, serial_and_overlapped):
+    """40 blocks of 16 tokens for up to 16 sequences: sequences are preempted while their
+    newest token is still on the device, and recomputed once it is known."""
+    small = dict(num_kv_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=16)
+    engine = engine_for(tiny_model_dir, True, **small)
+    outputs = run(engine, mixed_requests())
+    assert engine.scheduler.num_preemptions > 0 and engine.num_overlapped_steps > 0
+    assert answers(outputs) == answers(serial_and_overlapped[False][1])
+    assert all_blocks_free(engine)
+
+
+def test_requests_that_read_their_tokens_wait_for_them(tiny_model_dir, serial_and_overlapped):
+    """Logprobs, a penalty and n > 1 need each token on the host before the next forward:
+    while such a request runs, every step is read back before the next is launched, and
+    the plain requests beside it get the same answers either way."""
+    plain = mixed_requests()[:8]
+    readers = [Request("logprobs", prompt_token_ids=[5, 6, 7], params=greedy(6, logprobs=2)),
+               Request("penalty", prompt_token_ids=[8, 9], params=greedy(6, repetition_penalty=1.3)),
+               Request("choices", prompt_token_ids=[10, 11], params=sampled(3, max_tokens=5, n=2))]
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    assert len(by_choice(engine, readers)) == 4 and engine.num_overlapped_steps == 0
+    together = by_choice(engine, plain + readers)
+    expected = by_choice(engine_for(tiny_model_dir, False, **BIG_POOL), plain + readers)
+    assert len(together) == 12 and together == expected
+    assert all_blocks_free(engine)
+
+
+def by_choice(engine: Engine, requests: list[Request]) -> dict:
+    """Each answer (tokens, text, finish reason, logprobs) by (id, choice)."""
+    return {(out.id, out.choice): (out.token_ids, out.text, out.finish_reason, out.logprobs)
+            for out in engine.generate(requests)}
+
+
+def test_a_timeout_drops_the_token_in_flight(tiny_model_dir):
+    timed = Request("timed", prompt_token_ids=[5, 6, 7], params=greedy(400, ignore_eos=True), timeout_s=0.2)
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    out = run(engine, [timed])["timed"]
+    assert out.finish_reason == "timeout" and 1 <= out.output_tokens < 400
+    assert PENDING_TOKEN not in out.token_ids and out.output_tokens == len(out.token_ids)
+    assert out.text == engine.tokenizer.decode(out.token_ids)
+    assert engine.num_overlapped_steps > 0 and all_blocks_free(engine)
+
+
+def test_stopping_mid_flight_leaves_nothing_behind(tiny_model_dir):
+    """Generation stopped while a step is in flight: every block comes back, and the next
+    requests are not fed the dropped step's tokens."""
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    rng = random.Random(5)
+    long = [Request(f"x{i}", prompt_token_ids=random_prompt(rng, 20 + i), params=greedy(200, ignore_eos=True))
+            for i in range(6)]
+    assert run(engine, long, should_stop=stop_after(5)) == {}
+    assert all_blocks_free(engine)
+    after = mixed_requests()[:6]
+    serial = engine_for(tiny_model_dir, False, **BIG_POOL)
+    assert answers(run(engine, after)) == answers(run(serial, after))
+
+
+def test_overlap_is_off_on_a_cpu_and_with_drafts(tiny_model_dir):
+    assert not engine_for(tiny_model_dir, None, **BIG_POOL).overlap_steps
+    assert not Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), overlap_steps=True,
+                                   speculative="ngram", **BIG_POOL)).overlap_steps
+
+
+def test_an_overlapped_step_reads_one_tensor_back(tiny_model_dir, host_reads):
+    """The forward reads nothing back (the pending rows are filled on the device), and each
+    step reads only the tokens of the step before it."""
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    for i in range(4):
+        engine.add_request(Request(f"h{i}", prompt_token_ids=[100 + i, 200, 300],
+                                   params=SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i,
+                                                         max_tokens=8, ignore_eos=True)))
+    run_model, forward_reads, step_reads = engine.runner.run, [], []
+
+    def counted_run(batch, previous_tokens=None):
+        before = sum(host_reads.values())
+        result = run_model(batch, previous_tokens)
+        forward_reads.append(sum(host_reads.values()) - before)
+        return result
+
+    engine.runner.run = counted_run
+    try:
+        while engine.has_unfinished_requests:
+            before = sum(host_reads.values())
+            engine.step()
+            step_reads.append(sum(host_reads.values()) - before)
+    finally:
+        del engine.runner.run
+    assert max(forward_reads) == 0 and max(step_reads) == 1, (forward_reads, step_reads)
+    # The prefill and 7 decodes, as serial steps: a token known to be the last (max_tokens)
+    # is not computed; the last call only reads it back.
+    assert engine.num_steps == 8 and engine.num_overlapped_steps == 7 and len(step_reads) == 9
