@@ -23,7 +23,9 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
   output tok/s and its share of the HBM roofline (target 0.40), then Hugging Face
   continuous batching on the same GPU in bf16 (target: ours at least 5x); then a long job's
   refill (2,048 W1-shaped requests through 256 sequences) admitted one by one and in the
-  engine's groups, A B A B: output tok/s and steps replayed from graphs (measured, no target).
+  engine's groups, A B A B: output tok/s and steps replayed from graphs (measured, no target);
+  then overlapped steps off and on, A B A B on 256 x 128 x 128: the same greedy tokens (the
+  check), and output tok/s each way.
 - fp8, w8a16, w4a16 (PyTorch's own ops, pipeline/layers/weight_quant.py; fp8 skipped below
   compute capability 8.9): each mode's layer on the device against its reference() (the
   CUDA formula in plain PyTorch, on the CPU, from the same quantized tensors), numerics_<mode>
@@ -288,12 +290,12 @@ def check_host_syncs(run: Run) -> None:
 
     run_model, forward_reads, step_reads = engine.runner.run, [], []
 
-    def strict_run(batch):
+    def strict_run(batch, *rest):
         before = sum(counts.values())
         if engine.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("error")
         try:
-            return run_model(batch)
+            return run_model(batch, *rest)
         finally:
             if engine.device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
@@ -336,9 +338,9 @@ def check_graph_replay(run: Run) -> None:
         return
     replay, diffs = graphs.replay, []
 
-    def checked_replay(layout, to_device):
-        eager = runner.forward(layout).clone()
-        graphed = replay(layout, to_device)
+    def checked_replay(layout, to_device, pending=None):
+        eager = runner.forward(layout, pending).clone()
+        graphed = replay(layout, to_device, pending)
         diffs.append((graphed.float() - eager.float()).abs().max().item())
         return graphed
 
@@ -357,6 +359,7 @@ CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_nume
           ("numerics_bf16", check_numerics_bf16, 20), ("cuda_graph_replay_equals_eager", check_graph_replay, 30),
           ("no_host_sync_in_decode_step", check_host_syncs, 15), ("throughput_pipeline", gpu_speed.check_speed, 90),
           ("refill_admission_groups", gpu_speed.check_refill, 60),
+          ("overlapped_steps", gpu_speed.check_overlap, 40),
           ("quantized_at_load", check_quantized, 30),
           ("quantized_kernels_equal_reference", gpu_quant.check_reference, 10),
           ("numerics_quantized", check_numerics_quantized, 25),

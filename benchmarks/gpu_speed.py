@@ -93,6 +93,63 @@ def check_refill(run) -> None:
            rounds=rounds, grouped_over_each=[round(y / x, 3) for x, y in zip(a, b)])
 
 
+def check_overlap(run) -> None:
+    """Overlapped steps (engine.py) off and on, alternating A B A B on one engine: the same
+    greedy batch (every request the same length, so both modes run the same batches) must
+    give the same tokens, and the output tok/s of each round shows what overlapping the
+    host's work with the GPU's buys."""
+    cuda = run.device == "cuda"
+    n, prompt_len, output_len = ((64 if run.quick else 256), 128, 128) if cuda else (8, 32, 16)
+    speed = getattr(run, "speed", None)   # throughput_pipeline's model, when it ran
+    model_dir = speed["model_dir"] if speed else gpu_models.build_model(
+        run.tmp / "speed", gpu_models.LLAMA_1B if cuda else gpu_models.SMALL_SPEED, run.tokenizer,
+        torch.bfloat16 if cuda else torch.float32, device=run.device)
+    engine = Engine(EngineConfig(model=str(model_dir), device=run.device, dtype="bfloat16" if cuda else "float32",
+                                 max_model_len=prompt_len + output_len, max_num_seqs=n,
+                                 kv_cache_gib=16 if cuda else 1))
+    prompts, rounds, tokens = workload(n, prompt_len, seed=1), [], {}
+    try:
+        for overlap in (False, True, False, True):   # 15 s a round at most
+            engine.overlap_steps = overlap
+            outputs, seconds, steps = _greedy_round(engine, prompts, output_len, min(run.deadline, time.monotonic() + 15))
+            tokens.setdefault(overlap, {o.id: o.token_ids for o in outputs})
+            produced = sum(o.output_tokens for o in outputs)
+            rounds.append(dict(overlap_steps=overlap, steps=steps, overlapped_steps=engine.num_overlapped_steps,
+                               output_tokens=produced, seconds=round(seconds, 3),
+                               output_tok_s=round(produced / seconds, 1)))
+            engine.num_overlapped_steps = 0
+    finally:
+        del engine
+        free_memory()
+    complete = all(len(t) == n for t in tokens.values())
+    same = complete and tokens[False] == tokens[True]
+    a, b = [r["output_tok_s"] for r in rounds[0::2]], [r["output_tok_s"] for r in rounds[1::2]]
+    report("overlapped_steps", "passed" if same else "failed", device=run.device, sequences=n,
+           prompt_tokens=prompt_len, output_tokens_each=output_len, same_tokens=same,
+           complete_rounds=complete, rounds=rounds, overlapped_over_serial=[round(y / x, 3) for x, y in zip(a, b)])
+
+
+def _greedy_round(engine: Engine, prompts: list[list[int]], output_len: int, deadline: float) -> tuple:
+    """Every prompt queued at once, greedy to exactly output_len tokens, stepped until done or
+    the deadline: the finished outputs, the seconds and the steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        if refused := engine.add_request(Request(f"o{i}", prompt_token_ids=prompt, params=params)):
+            raise RuntimeError(f"request o{i} refused: {refused[0].error}")
+    outputs, steps = [], 0
+    start = time.monotonic()
+    try:
+        while engine.has_unfinished_requests and time.monotonic() < deadline:
+            outputs.extend(engine.step())
+            steps += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return outputs, time.monotonic() - start, steps
+    finally:
+        engine.abort([s.request_id for s in engine.scheduler.unfinished()])
+        engine.reset_prefix_cache()
+
+
 def refill_requests(n: int, seed: int = 0) -> list[Request]:
     """n greedy requests shaped like W1 (prompts of 16-256 random tokens, 8-128 output tokens,
     EOS off), the same for the same seed: a long job's refill (also benchmarks/decode_share.py)."""

@@ -70,8 +70,8 @@ def measure(engine: Engine, seqs: int, steps: int, params: dict) -> dict:
     while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
-    runner, sampler = Timed(engine.runner.run), Timed(engine.speculator.sample)
-    engine.runner.run, engine.speculator.sample = runner, sampler
+    runner, sampler = Timed(engine.runner.run), Timed(engine.sampler.draw)   # draw: serial and overlapped
+    engine.runner.run, engine.sampler.draw = runner, sampler
     totals, runs, samples = [], [], []
     try:
         for _ in range(steps):
@@ -82,7 +82,7 @@ def measure(engine: Engine, seqs: int, steps: int, params: dict) -> dict:
             runs.append(runner.spent - before_run)
             samples.append(sampler.spent - before_sample)
     finally:
-        del engine.runner.run, engine.speculator.sample
+        del engine.runner.run, engine.sampler.draw
         engine.scheduler.abort_all()
     ms = lambda values: round(1e3 * statistics.median(values), 3)
     return {"seqs": seqs, "step_ms": ms(totals), "runner_ms": ms(runs), "sampler_ms": ms(samples),
@@ -97,13 +97,16 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="a folder with tokenizer.json (default: the bundled model's)")
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (large blocks mapped afresh every step)")
+    parser.add_argument("--overlap-steps", action="store_true",
+                        help="overlapped steps, as on CUDA (engine.py): what their own bookkeeping adds")
     args = parser.parse_args()
     if not args.glibc_defaults and not keep_freed_memory():
         raise SystemExit("glibc's mallopt refused (not glibc?): pass --glibc-defaults")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "tiny", TINY, find_tokenizer(args.tokenizer), torch.float32)
         engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=args.seqs,
-                                     max_num_batched_tokens=4096, kv_cache_gib=0.5))
+                                     max_num_batched_tokens=4096, kv_cache_gib=0.5,
+                                     overlap_steps=args.overlap_steps))
         for round_ in range(1, args.rounds + 1):
             for name, params in WORKLOADS.items():
                 print(json.dumps({"workload": name, "round": round_, **measure(engine, args.seqs, args.steps, params)}),
