@@ -138,8 +138,8 @@ _ENGINE_OPTIONS = {
                              "sizes (ignored on a CPU)  [default: on]"),
     "overlap_steps": dict(help="Launch each step before the previous one's tokens are read back, so that the "
                                "host's scheduling runs while the GPU computes; same greedy and seeded output "
-                               "(off with --speculative; a step with a grammar, penalties, logprobs or n > 1 "
-                               "waits)  [default: on on CUDA, off on a CPU]"),
+                               "(off with --speculative; a step with a grammar, penalties or logprobs waits)  "
+                               "[default: on on CUDA, off on a CPU]"),
 }
 _SCALARS = {"str": str, "int": int, "float": float}
 

@@ -17,9 +17,9 @@ ms at 256 sequences, benchmarks/host_step.py) runs beside the device's instead o
 its steps. Until a token comes back its place holds PENDING_TOKEN; a sequence that turns
 out to have finished has run one row too many, which is dropped. Steps overlap only while
 every sequence that runs or may be admitted needs nothing of its newest token on the host
-before the next forward (Sequence.overlaps: no grammar, penalty, bias, logprobs, n > 1,
-drafts or pooling); otherwise the step in flight is read back first. Greedy and seeded
-output is the same token for token.
+before the next forward (Sequence.overlaps: no grammar, penalty, bias, logprobs, drafts or
+pooling, and no n > 1 request about to fork its choices); otherwise the step in flight is
+read back first. Greedy and seeded output is the same token for token.
 """
 from __future__ import annotations
 
@@ -212,8 +212,7 @@ class Engine:
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_outputs(request, error, len(prompt_ids), arrival)
-        params = request.params
-        seq.overlaps = (self.overlap_steps and params.n == 1 and params.is_plain and seq.matcher is None
+        seq.overlaps = (self.overlap_steps and request.params.is_plain and seq.matcher is None
                         and seq.prompt_logprobs is None and seq.pooling is None)
         self.scheduler.add(seq)
         return []
@@ -306,11 +305,13 @@ class Engine:
 
     def _all_overlap(self) -> bool:
         """Whether every running sequence, and every waiting one this step may admit, can
-        have its next step launched before its newest token is read (Sequence.overlaps)."""
+        have its next step launched before its newest token is read (Sequence.overlaps), and
+        none forks its other choices this step (n > 1: the forks are made once the prompt's
+        token is read; from then on they overlap like any other)."""
         scheduler = self.scheduler
         room = max(0, scheduler.max_num_seqs - len(scheduler.running))
-        return (all(seq.overlaps for seq in scheduler.running)
-                and all(seq.overlaps for seq in itertools.islice(scheduler.waiting, room)))
+        return (all(seq.overlaps and not seq.num_forks for seq in scheduler.running)
+                and all(seq.overlaps and not seq.num_forks for seq in itertools.islice(scheduler.waiting, room)))
 
     def _launch_sampling(self, sampling: list[Sequence], logits: torch.Tensor) -> StepInFlight:
         """Sample this step's tokens on the device, their places held by PENDING_TOKEN until
@@ -391,6 +392,8 @@ class Engine:
                 children = [seq.fork(choice, self._detokenizer(seq.prompt_token_ids, seq.params))
                             for choice in range(1, seq.num_forks + 1)]
                 seq.num_forks = 0
+                for child in children:
+                    child.overlaps = seq.overlaps
                 if seq.matcher is not None:
                     for child in children:
                         child.matcher = self.structured.matcher(seq.params.structured_output)

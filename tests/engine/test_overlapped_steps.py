@@ -98,19 +98,32 @@ def test_a_small_pool_preempts_and_still_gives_the_serial_answers(tiny_model_dir
     assert all_blocks_free(engine)
 
 
-def test_requests_that_read_their_tokens_wait_for_them(tiny_model_dir, serial_and_overlapped):
-    """Logprobs, a penalty and n > 1 need each token on the host before the next forward:
-    while such a request runs, every step is read back before the next is launched, and
-    the plain requests beside it get the same answers either way."""
+def test_requests_that_read_their_tokens_wait_for_them(tiny_model_dir):
+    """Logprobs and a penalty need each token on the host before the next forward: while
+    such a request runs, every step is read back before the next is launched, and the plain
+    requests beside it get the same answers either way."""
     plain = mixed_requests()[:8]
     readers = [Request("logprobs", prompt_token_ids=[5, 6, 7], params=greedy(6, logprobs=2)),
-               Request("penalty", prompt_token_ids=[8, 9], params=greedy(6, repetition_penalty=1.3)),
-               Request("choices", prompt_token_ids=[10, 11], params=sampled(3, max_tokens=5, n=2))]
+               Request("penalty", prompt_token_ids=[8, 9], params=greedy(6, repetition_penalty=1.3))]
     engine = engine_for(tiny_model_dir, True, **BIG_POOL)
-    assert len(by_choice(engine, readers)) == 4 and engine.num_overlapped_steps == 0
+    assert len(by_choice(engine, readers)) == 2 and engine.num_overlapped_steps == 0
     together = by_choice(engine, plain + readers)
     expected = by_choice(engine_for(tiny_model_dir, False, **BIG_POOL), plain + readers)
-    assert len(together) == 12 and together == expected
+    assert len(together) == 10 and together == expected
+    assert all_blocks_free(engine)
+
+
+def test_choices_overlap_once_forked(tiny_model_dir):
+    """n > 1: the step that computes a prompt's last token is read back before the choices
+    fork; from then on they overlap, each choice drawing what it draws in serial steps."""
+    rng = random.Random(7)
+    requests = [Request(f"c{i}", prompt_token_ids=random_prompt(rng, 5 + 7 * i),
+                        params=sampled(i, max_tokens=6 + i, n=3) if i % 2 else greedy(8 + i, n=2))
+                for i in range(6)]
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    overlapped = by_choice(engine, requests)
+    assert len(overlapped) == 15 and engine.num_overlapped_steps > 0
+    assert overlapped == by_choice(engine_for(tiny_model_dir, False, **BIG_POOL), requests)
     assert all_blocks_free(engine)
 
 
