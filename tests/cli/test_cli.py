@@ -476,6 +476,24 @@ def test_speculative_run_records_drafts_in_results_and_stats(runner, data_root, 
     assert (job.draft_tokens, job.acceptance_rate) == (drafted, pytest.approx(stats["acceptance_rate"]))
 
 
+def test_overlapped_steps_through_a_job_give_the_same_answers(runner, data_root, tiny_model_dir, tmp_path, Session):
+    """--overlap-steps (the CUDA default) reaches the engine through `pipeline run`: the same
+    greedy outputs, stop strings and lengths as serial steps."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}: the", "max_tokens": 4 + 3 * i,
+                                               "temperature": 0, **({"stop": ["e"]} if i % 2 else {})}
+                                              for i in range(6)])
+    outputs = []
+    for flags in ([], ["--overlap-steps"]):
+        result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *flags, *FAST])
+        assert result.exit_code == 0, result.output
+        with Session() as s:
+            job = list_jobs(s)[0]
+        assert job.engine_options.get("overlap_steps") is (True if flags else None)   # recorded as asked
+        rows = read_results(JobPaths(data_root, job.id).results_dir).to_pylist()
+        outputs.append({r["id"]: (r["output"], r["finish_reason"], r["output_tokens"]) for r in rows})
+    assert len(outputs[1]) == 6 and outputs[1] == outputs[0]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root (CI runs as root)")
 def test_a_full_disk_is_one_clear_line_not_a_traceback(tmp_path, tiny_model_dir):
     """`pipeline run` with its data directory on a 400 KiB filesystem that fills up."""
