@@ -17,9 +17,10 @@ ms at 256 sequences, benchmarks/host_step.py) runs beside the device's instead o
 its steps. Until a token comes back its place holds PENDING_TOKEN; a sequence that turns
 out to have finished has run one row too many, which is dropped. Steps overlap only while
 every sequence that runs or may be admitted needs nothing of its newest token on the host
-before the next forward (Sequence.overlaps: no grammar, penalty, bias, logprobs, drafts or
-pooling, and no n > 1 request about to fork its choices); otherwise the step in flight is
-read back first. Greedy and seeded output is the same token for token.
+before the next forward (Sequence.overlaps: no grammar, logprobs, drafts or pooling, and no
+n > 1 request about to fork its choices; penalties count a pending token on the device);
+otherwise the step in flight is read back first. Greedy and seeded output is the same token
+for token.
 """
 from __future__ import annotations
 
@@ -212,7 +213,7 @@ class Engine:
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_outputs(request, error, len(prompt_ids), arrival)
-        seq.overlaps = (self.overlap_steps and request.params.is_plain and seq.matcher is None
+        seq.overlaps = (self.overlap_steps and request.params.logprobs is None and seq.matcher is None
                         and seq.prompt_logprobs is None and seq.pooling is None)
         self.scheduler.add(seq)
         return []
@@ -316,7 +317,8 @@ class Engine:
     def _launch_sampling(self, sampling: list[Sequence], logits: torch.Tensor) -> StepInFlight:
         """Sample this step's tokens on the device, their places held by PENDING_TOKEN until
         they are read back."""
-        launched = StepInFlight.launch(sampling, self.sampler.draw(logits, sampling))
+        previous = self._in_flight.tokens if self._in_flight is not None else None   # penalties count them
+        launched = StepInFlight.launch(sampling, self.sampler.draw(logits, sampling, previous))
         for row, seq in enumerate(sampling):
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1

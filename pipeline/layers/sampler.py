@@ -52,10 +52,12 @@ class Sampler:
         return tokens.tolist()   # the step's one host transfer
 
     @torch.inference_mode()  # the logits are inference tensors; the penalty edits them in place
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence],
+             previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """logits: [len(seqs), vocab] float32 -> one token id per sequence, on the device
-        (nothing read back: overlapped steps feed them to the next forward as they are)."""
-        self._apply_penalties(logits, seqs)
+        (nothing read back: overlapped steps feed them to the next forward as they are).
+        previous_tokens: the step in flight's tokens, where pending ones are penalised."""
+        self._apply_penalties(logits, seqs, previous_tokens)
         sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         tokens = top_tokens.argmax(logits) if len(sampled) < len(seqs) else None
         if sampled:
@@ -146,39 +148,109 @@ class Sampler:
             seq.generator.manual_seed(seq.seed)   # each choice of an n > 1 request its own
         return seq.generator
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence],
+                         previous_tokens: torch.Tensor | None = None) -> None:
         """Every penalised row at once, from (row, token) pairs built on the host (no loop over
         the vocabulary): first the CTRL-style repetition penalty (a seen token's logit divided
         if > 0, else multiplied), then OpenAI's additive ones over the output so far
-        (frequency * count + presence), and the logit bias."""
+        (frequency * count + presence), and the logit bias.
+
+        A sequence whose newest token is still on the device (overlapped steps: its place holds
+        PENDING_TOKEN, its id is previous_tokens[seq.pending_row]) is penalised for it there
+        with the values the host would have used: the repetition penalty once unless a known
+        token equals it, and its count one more (a new pair when it had none)."""
         mul_rows, mul_tokens, mul_values = [], [], []
-        add_rows, add_tokens, add_values = [], [], []
+        add_rows, add_tokens, add_values, add_counts = [], [], [], []
+        bias_rows, bias_tokens, bias_values = [], [], []
+        pending = []   # (row, its token's row in previous_tokens, params)
         for row, seq in enumerate(seqs):
             params = seq.params
             if not params.has_penalties:
                 continue
+            output = seq.output_token_ids
+            if seq.num_pending_tokens:
+                output = output[:len(output) - seq.num_pending_tokens]
+                if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+                    pending.append((row, seq.pending_row, params))
             if params.repetition_penalty != 1.0:
-                seen = np.unique(np.fromiter((*seq.prompt_token_ids, *seq.output_token_ids), dtype=np.int64))
+                seen = np.unique(np.fromiter((*seq.prompt_token_ids, *output), dtype=np.int64))
                 mul_rows.append(np.full(len(seen), row, dtype=np.int64))
                 mul_tokens.append(seen)
                 mul_values.append(np.full(len(seen), params.repetition_penalty, dtype=np.float32))
-            if (params.frequency_penalty or params.presence_penalty) and seq.output_token_ids:
-                tokens, counts = np.unique(np.asarray(seq.output_token_ids, dtype=np.int64), return_counts=True)
+            if (params.frequency_penalty or params.presence_penalty) and output:
+                tokens, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
                 add_rows.append(np.full(len(tokens), row, dtype=np.int64))
                 add_tokens.append(tokens)
                 add_values.append(-(params.frequency_penalty * counts + params.presence_penalty).astype(np.float32))
+                add_counts.append(counts)
             if params.logit_bias:
-                add_rows.append(np.full(len(params.logit_bias), row, dtype=np.int64))
-                add_tokens.append(np.fromiter(params.logit_bias, dtype=np.int64))
-                add_values.append(np.fromiter(params.logit_bias.values(), dtype=np.float32))
-        if mul_rows:
-            index = (self._to_device(np.concatenate(mul_rows)), self._to_device(np.concatenate(mul_tokens)))
-            penalty = self._to_device(np.concatenate(mul_values)).to(logits.dtype)
-            values = logits[index]
-            logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+                bias_rows.append(np.full(len(params.logit_bias), row, dtype=np.int64))
+                bias_tokens.append(np.fromiter(params.logit_bias, dtype=np.int64))
+                bias_values.append(np.fromiter(params.logit_bias.values(), dtype=np.float32))
+        newest = None
+        if pending:   # each pending row's token, -1 in the other rows (no token equals it)
+            if previous_tokens is None:
+                raise RuntimeError("a pending token to penalise needs the previous step's tokens")
+            newest = torch.full((len(seqs),), -1, dtype=torch.int64, device=logits.device)
+            newest[self._to_device(np.asarray([r for r, _, _ in pending]))] = previous_tokens.index_select(
+                0, self._to_device(np.asarray([source for _, source, _ in pending])))
+        repeated = [(r, p.repetition_penalty) for r, _, p in pending if p.repetition_penalty != 1.0]
+        if mul_rows or repeated:
+            rows, tokens = self._cat(mul_rows, np.int64), self._cat(mul_tokens, np.int64)
+            penalty = self._cat(mul_values, np.float32).to(logits.dtype)
+            values = logits[rows, tokens]
+            logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+            if repeated:
+                self._repeat_pending(logits, rows, tokens, repeated, newest)
+        counted = [(r, p) for r, _, p in pending if p.frequency_penalty or p.presence_penalty]
+        if add_rows or counted:
+            rows, tokens = self._cat(add_rows, np.int64), self._cat(add_tokens, np.int64)
+            values = self._cat(add_values, np.float32).to(logits.dtype)
+            if counted:
+                values, rows, tokens = self._count_pending(values, rows, tokens, add_counts, add_rows, counted,
+                                                           newest, seqs)
+            logits.index_put_((rows, tokens), values, accumulate=True)
+        if bias_rows:
+            index = (self._cat(bias_rows, np.int64), self._cat(bias_tokens, np.int64))
+            logits.index_put_(index, self._cat(bias_values, np.float32).to(logits.dtype), accumulate=True)
+
+    def _repeat_pending(self, logits, rows, tokens, repeated, newest) -> None:
+        """The repetition penalty of each pending token, unless one of its row's known tokens
+        (rows, tokens: the pairs just penalised) equals it."""
+        seen = torch.zeros(len(logits), dtype=torch.int64, device=logits.device).index_add_(
+            0, rows, (tokens == newest[rows]).long())
+        pending_rows = self._to_device(np.asarray([r for r, _ in repeated]))
+        penalty = self._to_device(np.asarray([v for _, v in repeated], dtype=np.float32)).to(logits.dtype)
+        index = (pending_rows, newest[pending_rows])
+        values = logits[index]
+        penalised = torch.where(values > 0, values / penalty, values * penalty)
+        logits[index] = torch.where(seen[pending_rows] > 0, values, penalised)
+
+    def _count_pending(self, values, rows, tokens, add_counts, add_rows, counted, newest, seqs):
+        """The additive penalties' (row, token, value) with each pending token counted: a known
+        pair equal to it gets the value of one more count (-(frequency * (count + 1) +
+        presence), computed in float64 as the host does), and each pending row one more pair,
+        its token's first count, or 0 where a known pair already took it."""
+        match = tokens == newest[rows]
         if add_rows:
-            index = (self._to_device(np.concatenate(add_rows)), self._to_device(np.concatenate(add_tokens)))
-            logits.index_put_(index, self._to_device(np.concatenate(add_values)).to(logits.dtype), accumulate=True)
+            entry_params = [seqs[int(block[0])].params for block in add_rows]
+            sizes = [len(block) for block in add_rows]
+            frequency = self._to_device(np.repeat([p.frequency_penalty for p in entry_params], sizes))
+            presence = self._to_device(np.repeat([p.presence_penalty for p in entry_params], sizes))
+            counts = self._to_device(np.concatenate(add_counts).astype(np.float64))
+            recounted = (-(frequency * (counts + 1) + presence)).to(values.dtype)
+            values = torch.where(match, recounted, values)
+        seen = torch.zeros(len(seqs), dtype=torch.int64, device=values.device).index_add_(0, rows, match.long())
+        pending_rows = self._to_device(np.asarray([r for r, _ in counted]))
+        first = self._to_device(np.asarray([-(p.frequency_penalty + p.presence_penalty) for _, p in counted],
+                                           dtype=np.float64)).to(values.dtype)
+        first = torch.where(seen[pending_rows] > 0, torch.zeros_like(first), first)
+        return (torch.cat([values, first]), torch.cat([rows, pending_rows]),
+                torch.cat([tokens, newest[pending_rows]]))
+
+    def _cat(self, blocks: list[np.ndarray], dtype) -> torch.Tensor:
+        """The host blocks joined, on the device (empty when there are none)."""
+        return self._to_device(np.concatenate(blocks) if blocks else np.zeros(0, dtype=dtype))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

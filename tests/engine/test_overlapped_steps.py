@@ -23,8 +23,9 @@ SHARED_PREFIX = list(range(300, 340))   # 40 tokens: two full blocks of 16 that 
 
 
 def mixed_requests(count: int = 40, seed: int = 1) -> list[Request]:
-    """Greedy to a length, greedy ended early by a stop token, seeded sampling, and greedy
-    cut by a stop string; every third prompt starts with the shared prefix."""
+    """Greedy to a length, greedy ended early by a stop token, seeded sampling, greedy cut by
+    a stop string, and penalties (repetition; frequency and presence with a bias) strong
+    enough to steer the tokens; every third prompt starts with the shared prefix."""
     rng = random.Random(seed)
     requests = []
     for i in range(count):
@@ -32,7 +33,9 @@ def mixed_requests(count: int = 40, seed: int = 1) -> list[Request]:
         params = [greedy(rng.randrange(1, 30)),
                   greedy(24, stop_token_ids=[rng.randrange(100, 49000) for _ in range(400)]),
                   sampled(i, rng.randrange(1, 25)),
-                  greedy(25, stop=["e"])][i % 4]
+                  greedy(25, stop=["e"]),
+                  greedy(20, repetition_penalty=1.5),
+                  sampled(i, 20, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"300": 2.0})][i % 6]
         requests.append(Request(f"r{i}", prompt_token_ids=prompt, params=params))
     return requests
 
@@ -99,12 +102,12 @@ def test_a_small_pool_preempts_and_still_gives_the_serial_answers(tiny_model_dir
 
 
 def test_requests_that_read_their_tokens_wait_for_them(tiny_model_dir):
-    """Logprobs and a penalty need each token on the host before the next forward: while
-    such a request runs, every step is read back before the next is launched, and the plain
-    requests beside it get the same answers either way."""
+    """Logprobs and prompt logprobs need each token on the host before the next forward:
+    while such a request runs, every step is read back before the next is launched, and the
+    plain requests beside it get the same answers either way."""
     plain = mixed_requests()[:8]
     readers = [Request("logprobs", prompt_token_ids=[5, 6, 7], params=greedy(6, logprobs=2)),
-               Request("penalty", prompt_token_ids=[8, 9], params=greedy(6, repetition_penalty=1.3))]
+               Request("prompt", prompt_token_ids=[8, 9, 10, 11], params=greedy(6, prompt_logprobs=1))]
     engine = engine_for(tiny_model_dir, True, **BIG_POOL)
     assert len(by_choice(engine, readers)) == 2 and engine.num_overlapped_steps == 0
     together = by_choice(engine, plain + readers)

@@ -206,6 +206,29 @@ def test_frequency_presence_and_logit_bias_are_openais_definitions():
     assert torch.equal(logits, want) and logits.shape == (3, vocab)
 
 
+@pytest.mark.parametrize("newest", [2, 3, 7], ids=["seen-in-output", "seen-in-prompt", "new"])
+def test_a_pending_token_is_penalised_as_if_the_host_had_it(newest):
+    """Overlapped steps: the newest output token still on the device (PENDING_TOKEN on the
+    host, its id in the previous step's tokens) gives exactly the logits of the same token
+    known, for every penalty together and each alone, whether or not it was seen before."""
+    from pipeline.engine.sequence import PENDING_TOKEN
+    output = (2, 2, 4)
+    settings = [dict(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={"7": 1.5}),
+                dict(repetition_penalty=0.6), dict(frequency_penalty=0.75), dict(presence_penalty=1.25), {}]
+    logits = torch.randn(len(settings), 9, generator=torch.Generator().manual_seed(0))
+    known = [make_seq(SamplingParams(temperature=0, **kw), prompt=(3, 5), output=(*output, newest)) for kw in settings]
+    pending = [make_seq(SamplingParams(temperature=0, **kw), prompt=(3, 5), output=(*output, PENDING_TOKEN))
+               for kw in settings]
+    previous = torch.tensor([0] * 5 + [newest])   # the step in flight sampled it in its row 5
+    for seq in pending:
+        seq.num_pending_tokens, seq.pending_row = 1, 5
+    want, got = logits.clone(), logits.clone()
+    Sampler(CPU, seed=0)._apply_penalties(want, known)
+    Sampler(CPU, seed=0)._apply_penalties(got, pending, previous)
+    assert torch.equal(got, want)
+    assert not torch.equal(want[:4], logits[:4])   # every penalty moved something
+
+
 def test_a_token_biased_minus_100_never_comes_and_plus_100_always_does(tiny_model_dir):
     from pipeline import Engine, EngineConfig, Request
 
