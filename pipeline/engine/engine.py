@@ -17,10 +17,11 @@ ms at 256 sequences, benchmarks/host_step.py) runs beside the device's instead o
 its steps. Until a token comes back its place holds PENDING_TOKEN; a sequence that turns
 out to have finished has run one row too many, which is dropped. Steps overlap only while
 every sequence that runs or may be admitted needs nothing of its newest token on the host
-before the next forward (Sequence.overlaps: no grammar, logprobs, drafts or pooling, and no
-n > 1 request about to fork its choices; penalties count a pending token on the device);
-otherwise the step in flight is read back first. Greedy and seeded output is the same token
-for token.
+before the next forward (Sequence.overlaps: no logprobs, drafts or pooling, and no n > 1
+request about to fork its choices; penalties count a pending token on the device);
+otherwise the step in flight is read back first. A step with a grammar reads the step
+before back once its own forward is launched, and only then masks and samples: the
+matchers' work runs beside the forward. Greedy and seeded output is the same token for token.
 """
 from __future__ import annotations
 
@@ -213,8 +214,8 @@ class Engine:
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_outputs(request, error, len(prompt_ids), arrival)
-        seq.overlaps = (self.overlap_steps and request.params.logprobs is None and seq.matcher is None
-                        and seq.prompt_logprobs is None and seq.pooling is None)
+        seq.overlaps = (self.overlap_steps and request.params.logprobs is None and seq.prompt_logprobs is None
+                        and seq.pooling is None)
         self.scheduler.add(seq)
         return []
 
@@ -281,6 +282,13 @@ class Engine:
             finished += self._retire_pooled(step.pooled)
         sampling, logits = step.sampling, step.logits
         if overlap:   # read back the step before while this one runs
+            if self._in_flight is not None:
+                self.num_overlapped_steps += 1
+            if any(seq.matcher is not None for seq in sampling):
+                # A grammar's mask needs the token before it: read that back while this
+                # step's forward runs, then mask and sample.
+                finished += self._read_back()
+                self._mask_constrained(logits, sampling)
             launched = self._launch_sampling(sampling, logits) if sampling else None
             finished += self._read_back()
             self._in_flight = launched
@@ -320,11 +328,11 @@ class Engine:
         previous = self._in_flight.tokens if self._in_flight is not None else None   # penalties count them
         launched = StepInFlight.launch(sampling, self.sampler.draw(logits, sampling, previous))
         for row, seq in enumerate(sampling):
+            if seq.is_finished:
+                continue   # by the step read back before its mask: this row is dropped
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1
             seq.pending_row = row
-        if self._in_flight is not None:
-            self.num_overlapped_steps += 1
         return launched
 
     def _read_back(self) -> list[RequestOutput]:
@@ -427,7 +435,7 @@ class Engine:
         has one logits row: they are never drafted)."""
         rows, matchers, row = [], [], 0
         for seq in sampling:
-            if seq.matcher is not None:
+            if seq.matcher is not None and not seq.is_finished:   # a finished one's row is dropped
                 rows.append(row)
                 matchers.append(seq.matcher)
             row += 1 + len(seq.draft_token_ids)

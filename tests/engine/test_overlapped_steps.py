@@ -116,6 +116,24 @@ def test_requests_that_read_their_tokens_wait_for_them(tiny_model_dir):
     assert all_blocks_free(engine)
 
 
+def test_grammars_mask_each_step_after_reading_the_one_before(tiny_model_dir):
+    """A grammar's mask needs its newest token: the step reads the one before back once its
+    forward is launched, then masks and samples. Choices, a regex and JSON, greedy and seeded,
+    beside plain requests: the serial answers, validity included, with steps overlapped."""
+    grammars = [{"choice": ["yes", "no", "maybe"]}, {"regex": r"[0-9]{2}-[a-z]{3,6}"}, {"json_object": True}]
+    requests = mixed_requests()[:6] + [
+        Request(f"g{i}", prompt_token_ids=[20 + i, 30, 40], params=SamplingParams(
+            temperature=0.9 if i % 2 else 0.0, seed=i, max_tokens=12, structured_output=grammars[i % 3]))
+        for i in range(6)]
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    overlapped = run(engine, requests)
+    serial = run(engine_for(tiny_model_dir, False, **BIG_POOL), requests)
+    assert answers(overlapped) == answers(serial)
+    assert {rid: out.valid for rid, out in overlapped.items()} == {rid: out.valid for rid, out in serial.items()}
+    assert overlapped["g0"].text in ("yes", "no", "maybe") and overlapped["g0"].valid
+    assert engine.num_overlapped_steps > 0 and all_blocks_free(engine)
+
+
 def test_choices_overlap_once_forked(tiny_model_dir):
     """n > 1: the step that computes a prompt's last token is read back before the choices
     fork; from then on they overlap, each choice drawing what it draws in serial steps."""
