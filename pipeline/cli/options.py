@@ -138,7 +138,7 @@ _ENGINE_OPTIONS = {
                              "sizes (ignored on a CPU)  [default: on]"),
     "overlap_steps": dict(help="Launch each step before the previous one's tokens are read back, so that the "
                                "host's scheduling runs while the GPU computes; same greedy and seeded output "
-                               "(off with --speculative; a step with logprobs waits)  "
+                               "(off with --speculative; a step with prompt logprobs waits)  "
                                "[default: on on CUDA, off on a CPU]"),
 }
 _SCALARS = {"str": str, "int": int, "float": float}

@@ -17,9 +17,9 @@ ms at 256 sequences, benchmarks/host_step.py) runs beside the device's instead o
 its steps. Until a token comes back its place holds PENDING_TOKEN; a sequence that turns
 out to have finished has run one row too many, which is dropped. Steps overlap only while
 every sequence that runs or may be admitted needs nothing of its newest token on the host
-before the next forward (Sequence.overlaps: no logprobs, drafts or pooling, and no n > 1
-request about to fork its choices; penalties count a pending token on the device);
-otherwise the step in flight is read back first. A step with a grammar reads the step
+before the next forward (Sequence.overlaps: no prompt logprobs, drafts or pooling, and no
+n > 1 request about to fork its choices; penalties count a pending token on the device,
+logprobs come back with their tokens); otherwise the step in flight is read back first. A step with a grammar reads the step
 before back once its own forward is launched, and only then masks and samples: the
 matchers' work runs beside the forward. Greedy and seeded output is the same token for token.
 """
@@ -60,27 +60,32 @@ from pipeline.request import FinishReason, Request, RequestOutput
 @dataclass(slots=True)
 class StepInFlight:
     """A launched step whose sampled tokens the host has not read (overlapped steps): its
-    sampling sequences, their tokens on the device, and a host copy of them, complete once
-    `copied` has fired (CUDA; on a CPU the tokens are the host copy)."""
+    sampling sequences, their tokens on the device, and a host copy of what comes back (the
+    tokens, or the sampler's flat tokens-and-logprobs and its `unpack`), complete once
+    `copied` has fired (CUDA; on a CPU the device's tensor is the host copy)."""
     sampling: list[Sequence]
     tokens: torch.Tensor
-    host_tokens: torch.Tensor
+    host_values: torch.Tensor
+    unpack: Callable[[list], list[int]] | None = None
     copied: object = None   # torch.cuda.Event
 
     @classmethod
-    def launch(cls, sampling: list[Sequence], tokens: torch.Tensor) -> "StepInFlight":
-        if tokens.device.type != "cuda":
-            return cls(sampling, tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+    def launch(cls, sampling: list[Sequence], tokens: torch.Tensor, values: torch.Tensor | None = None,
+               unpack: Callable[[list], list[int]] | None = None) -> "StepInFlight":
+        values = tokens if values is None else values
+        if values.device.type != "cuda":
+            return cls(sampling, tokens, values, unpack)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(sampling, tokens, host, copied)
+        return cls(sampling, tokens, host, unpack, copied)
 
     def token_ids(self) -> list[int]:
         if self.copied is not None:
-            self.copied.synchronize()   # this step's tokens only: the step after it keeps running
-        return self.host_tokens.tolist()
+            self.copied.synchronize()   # this step's values only: the step after it keeps running
+        values = self.host_values.tolist()
+        return values if self.unpack is None else self.unpack(values)
 
 
 class Engine:
@@ -214,8 +219,7 @@ class Engine:
         error = self.scheduler.admission_error(seq)
         if error is not None:
             return _error_outputs(request, error, len(prompt_ids), arrival)
-        seq.overlaps = (self.overlap_steps and request.params.logprobs is None and seq.prompt_logprobs is None
-                        and seq.pooling is None)
+        seq.overlaps = self.overlap_steps and seq.prompt_logprobs is None and seq.pooling is None
         self.scheduler.add(seq)
         return []
 
@@ -326,7 +330,11 @@ class Engine:
         """Sample this step's tokens on the device, their places held by PENDING_TOKEN until
         they are read back."""
         previous = self._in_flight.tokens if self._in_flight is not None else None   # penalties count them
-        launched = StepInFlight.launch(sampling, self.sampler.draw(logits, sampling, previous))
+        tokens = self.sampler.draw(logits, sampling, previous)
+        if any(seq.logprobs is not None for seq in sampling):   # they come back with the tokens
+            launched = StepInFlight.launch(sampling, tokens, *self.sampler.with_logprobs(logits, tokens, sampling))
+        else:
+            launched = StepInFlight.launch(sampling, tokens)
         for row, seq in enumerate(sampling):
             if seq.is_finished:
                 continue   # by the step read back before its mask: this row is dropped
@@ -353,7 +361,7 @@ class Engine:
                 seq.finish_time = now
                 self.block_manager.cache_computed_blocks(seq)
                 self.scheduler.finish(seq)
-                finished.append(_output_of(seq))
+                finished.append(_output_of(seq, logprobs=self._logprobs_of(seq)))
         return finished
 
     def _resolve_pending(self, seq: Sequence, token: int) -> bool:

@@ -16,6 +16,7 @@ a device tensor back.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,7 +49,8 @@ class Sampler:
         prompts = list({id(s.prompt_logprobs): s.prompt_logprobs for s in seqs
                         if s.prompt_logprobs is not None and s.prompt_logprobs.pending}.values())
         if prompts or any(s.logprobs is not None for s in seqs):
-            return self._with_logprobs(logits, tokens, seqs, prompts)
+            values, unpack = self.with_logprobs(logits, tokens, seqs, prompts)
+            return unpack(values.tolist())   # the step's one host transfer
         return tokens.tolist()   # the step's one host transfer
 
     @torch.inference_mode()  # the logits are inference tensors; the penalty edits them in place
@@ -71,11 +73,14 @@ class Sampler:
                 tokens[self._to_device(np.asarray(sampled, dtype=np.int64))] = drawn
         return tokens
 
-    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence],
-                       prompts: list) -> list[int]:
-        """The tokens, each asking row's logprobs appended to its sequence and the prompt
-        logprobs waiting on the device, in the same one transfer: ids travel as float64
-        beside the logprobs (exact below 2**53)."""
+    @torch.inference_mode()
+    def with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence],
+                      prompts: list = ()) -> tuple[torch.Tensor, Callable[[list[float]], list[int]]]:
+        """The tokens, each asking row's logprobs and the prompt logprobs waiting on the device,
+        as one flat float64 tensor for one transfer (ids exact below 2**53), and what turns
+        its values on the host into the token ids, appending each row's logprobs to its
+        sequence (overlapped steps unpack a step late; a finished sequence's results were
+        taken before, with its logprobs cut to its tokens)."""
         rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         k = max((seqs[i].params.logprobs for i in rows), default=0)
         parts = [tokens.double()]
@@ -88,18 +93,21 @@ class Sampler:
             chosen, values, ids = token_logprobs(asking, chosen_tokens, k)
             parts += [chosen, values.flatten(), ids.flatten()]
         parts += [flat for scored in prompts for flat, _ in scored.pending]
-        values = torch.cat(parts).tolist()   # the step's one host transfer
-        n, m = len(seqs), len(rows)
-        token_ids = [int(t) for t in values[:n]]
-        top_values, top_ids = values[n + m:n + m + m * k], values[n + m + m * k:n + m + 2 * m * k]
-        for j, i in enumerate(rows):
-            want = seqs[i].params.logprobs
-            alternatives = [(int(top_ids[j * k + r]), top_values[j * k + r]) for r in range(want)]
-            seqs[i].logprobs.append((token_ids[i], values[n + j], alternatives))
-        at = n + m + 2 * m * k
-        for scored in prompts:
-            at = _unpack_prompt_logprobs(scored, values, at)
-        return token_ids
+
+        def unpack(values: list[float]) -> list[int]:
+            n, m = len(seqs), len(rows)
+            token_ids = [int(t) for t in values[:n]]
+            top_values, top_ids = values[n + m:n + m + m * k], values[n + m + m * k:n + m + 2 * m * k]
+            for j, i in enumerate(rows):
+                want = seqs[i].params.logprobs
+                alternatives = [(int(top_ids[j * k + r]), top_values[j * k + r]) for r in range(want)]
+                seqs[i].logprobs.append((token_ids[i], values[n + j], alternatives))
+            at = n + m + 2 * m * k
+            for scored in prompts:
+                at = _unpack_prompt_logprobs(scored, values, at)
+            return token_ids
+
+        return torch.cat(parts), unpack
 
     def _inverse_cdf(self, weights: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row drawn from weights [rows, vocab] (probabilities up to a factor):

@@ -101,19 +101,33 @@ def test_a_small_pool_preempts_and_still_gives_the_serial_answers(tiny_model_dir
     assert all_blocks_free(engine)
 
 
-def test_requests_that_read_their_tokens_wait_for_them(tiny_model_dir):
-    """Logprobs and prompt logprobs need each token on the host before the next forward:
-    while such a request runs, every step is read back before the next is launched, and the
-    plain requests beside it get the same answers either way."""
+def test_prompt_logprobs_make_each_step_wait(tiny_model_dir):
+    """Prompt logprobs come back over several steps with the sampled tokens: while such a
+    request runs, every step is read back before the next is launched, and the requests
+    beside it get the same answers either way."""
     plain = mixed_requests()[:8]
-    readers = [Request("logprobs", prompt_token_ids=[5, 6, 7], params=greedy(6, logprobs=2)),
-               Request("prompt", prompt_token_ids=[8, 9, 10, 11], params=greedy(6, prompt_logprobs=1))]
+    readers = [Request("prompt", prompt_token_ids=[8, 9, 10, 11], params=greedy(6, prompt_logprobs=1))]
     engine = engine_for(tiny_model_dir, True, **BIG_POOL)
-    assert len(by_choice(engine, readers)) == 2 and engine.num_overlapped_steps == 0
+    assert len(by_choice(engine, readers)) == 1 and engine.num_overlapped_steps == 0
     together = by_choice(engine, plain + readers)
     expected = by_choice(engine_for(tiny_model_dir, False, **BIG_POOL), plain + readers)
-    assert len(together) == 10 and together == expected
+    assert len(together) == 9 and together == expected
     assert all_blocks_free(engine)
+
+
+def test_logprobs_come_back_with_their_tokens(tiny_model_dir):
+    """Each step's logprobs travel with its tokens, a step late; a sequence found finished
+    gets none for its dropped row. Greedy, seeded and penalised rows, stops included."""
+    rng = random.Random(11)
+    requests = [Request(f"l{i}", prompt_token_ids=random_prompt(rng, 4 + 3 * i), params=[
+        greedy(12, logprobs=3), sampled(i, 10, logprobs=1),
+        greedy(14, logprobs=2, frequency_penalty=1.0, stop_token_ids=[rng.randrange(100, 49000) for _ in range(500)]),
+        greedy(9)][i % 4]) for i in range(12)]
+    engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    overlapped = by_choice(engine, requests)
+    assert overlapped == by_choice(engine_for(tiny_model_dir, False, **BIG_POOL), requests)
+    assert all(len(lp) == len(tokens) for tokens, _, _, lp in overlapped.values() if lp is not None)
+    assert engine.num_overlapped_steps > 0 and all_blocks_free(engine)
 
 
 def test_grammars_mask_each_step_after_reading_the_one_before(tiny_model_dir):
