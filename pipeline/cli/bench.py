@@ -44,6 +44,7 @@ def run_bench(path: str, config: EngineConfig) -> dict:
     list(engine.generate([Request("warm-up", prompt=warm.prompt, params=SamplingParams(max_tokens=2, temperature=0))]))
     engine.reset_prefix_cache()   # the timed run starts cold, as a new job's first shard does
     engine.block_manager.reset_peak()
+    steps, overlapped = engine.num_steps, engine.num_overlapped_steps
     start = time.perf_counter()
     outputs = list(engine.generate(requests))
     seconds = time.perf_counter() - start
@@ -65,4 +66,5 @@ def run_bench(path: str, config: EngineConfig) -> dict:
             "kv_blocks": engine.block_manager.num_blocks,
             "kv_peak_utilization": round(engine.block_manager.peak_utilization, 4),
             "draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens,
-            "acceptance_rate": round(accepted_tokens / draft_tokens, 4) if draft_tokens else 0.0}
+            "acceptance_rate": round(accepted_tokens / draft_tokens, 4) if draft_tokens else 0.0,
+            "steps": engine.num_steps - steps, "overlapped_steps": engine.num_overlapped_steps - overlapped}

@@ -492,6 +492,13 @@ def test_overlapped_steps_through_a_job_give_the_same_answers(runner, data_root,
         rows = read_results(JobPaths(data_root, job.id).results_dir).to_pylist()
         outputs.append({r["id"]: (r["output"], r["finish_reason"], r["output_tokens"]) for r in rows})
     assert len(outputs[1]) == 6 and outputs[1] == outputs[0]
+    bench = {}
+    for flags in ([], ["--overlap-steps"]):   # bench counts its steps, and those overlapped
+        result = runner.invoke(main, ["bench", str(src), "--model", str(tiny_model_dir), *flags, *FAST])
+        assert result.exit_code == 0, result.output
+        bench[bool(flags)] = json.loads(result.output.strip().splitlines()[-1])
+    assert bench[False]["overlapped_steps"] == 0 < bench[False]["steps"]
+    assert 0 < bench[True]["overlapped_steps"] < bench[True]["steps"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root (CI runs as root)")
