@@ -131,20 +131,19 @@ def check_overlap(run) -> None:
 
 def _greedy_round(engine: Engine, prompts: list[list[int]], output_len: int, deadline: float) -> tuple:
     """Every prompt queued at once, greedy to exactly output_len tokens, stepped until done or
-    the deadline: the finished outputs, the seconds and the steps."""
+    the deadline: the finished outputs, the seconds and the steps run (launched)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         if refused := engine.add_request(Request(f"o{i}", prompt_token_ids=prompt, params=params)):
             raise RuntimeError(f"request o{i} refused: {refused[0].error}")
-    outputs, steps = [], 0
+    outputs, steps = [], engine.num_steps
     start = time.monotonic()
     try:
         while engine.has_unfinished_requests and time.monotonic() < deadline:
             outputs.extend(engine.step())
-            steps += 1
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return outputs, time.monotonic() - start, steps
+        return outputs, time.monotonic() - start, engine.num_steps - steps
     finally:
         engine.abort([s.request_id for s in engine.scheduler.unfinished()])
         engine.reset_prefix_cache()

@@ -19,9 +19,10 @@ out to have finished has run one row too many, which is dropped. Steps overlap o
 every sequence that runs or may be admitted needs nothing of its newest token on the host
 before the next forward (Sequence.overlaps: no prompt logprobs, drafts or pooling, and no
 n > 1 request about to fork its choices; penalties count a pending token on the device,
-logprobs come back with their tokens); otherwise the step in flight is read back first. A step with a grammar reads the step
-before back once its own forward is launched, and only then masks and samples: the
-matchers' work runs beside the forward. Greedy and seeded output is the same token for token.
+logprobs come back with their tokens); otherwise the step in flight is read back first.
+A step with a grammar reads the step before back once its own forward is launched, and
+only then masks and samples: the matchers' work runs beside the forward. Greedy and seeded
+output is the same token for token.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.engine.generation import generate
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.scheduler import Scheduler
-from pipeline.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from pipeline.engine.sequence import PENDING_TOKEN, Sequence
 from pipeline.engine.speculative import Speculator
 from pipeline.layers import attention
 from pipeline.layers.grammar_masks import StructuredOutputs
@@ -353,7 +354,7 @@ class Engine:
         now = time.perf_counter()
         finished = []
         for seq, token in zip(in_flight.sampling, tokens):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.is_finished:
                 continue   # retired while its token was in flight (a timeout, an abort)
             if seq.first_token_time is None:
                 seq.first_token_time = now
