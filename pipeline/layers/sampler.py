@@ -12,7 +12,9 @@ that copy and its sum took 52 ms; the block sums take 3.5). Unseeded rows take
 their numbers from the sampler's generator in one call; a row with a seed takes its number
 from its own torch.Generator, so a seeded request gives the same text whatever else shares
 its batch. Which filters run is decided from the parameters on the host, never by reading
-a device tensor back.
+a device tensor back. Overlapped steps (engine.py) call its two halves apart: `draw` (the
+tokens, left on the device) and `with_logprobs` (the flat tensor to bring back, and its
+unpack), and bring the values back one step later.
 """
 from __future__ import annotations
 
