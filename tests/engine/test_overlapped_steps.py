@@ -3,8 +3,9 @@
 On a CPU the forward is the host's own work, so nothing runs side by side here; what these
 tests hold is that the pipelining changes nothing a request gets: the same greedy and
 seeded tokens, text and finish reasons as serial steps, with early stops (stop tokens and
-stop strings, which the host only sees a step late), preemption, prefix caching, timeouts,
-cancellation and requests that need their tokens on the host at once.
+stop strings, which the host only sees a step late), penalties, grammars, logprobs, n > 1,
+preemption, prefix caching, timeouts, cancellation, and prompt logprobs (which make every
+step wait for the one before).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ SHARED_PREFIX = list(range(300, 340))   # 40 tokens: two full blocks of 16 that 
 
 def mixed_requests(count: int = 40, seed: int = 1) -> list[Request]:
     """Greedy to a length, greedy ended early by a stop token, seeded sampling, greedy cut by
-    a stop string, and penalties (repetition; frequency and presence with a bias) strong
-    enough to steer the tokens; every third prompt starts with the shared prefix."""
+    a stop string, and penalties (repetition; frequency and presence with a bias); every
+    third prompt starts with the shared prefix."""
     rng = random.Random(seed)
     requests = []
     for i in range(count):
@@ -46,6 +47,12 @@ def engine_for(model_dir, overlap: bool, **config) -> Engine:
 
 def answers(outputs: dict) -> dict:
     return {rid: (out.token_ids, out.text, out.finish_reason) for rid, out in outputs.items()}
+
+
+def by_choice(engine: Engine, requests: list[Request]) -> dict:
+    """Each answer (tokens, text, finish reason, logprobs) by (id, choice)."""
+    return {(out.id, out.choice): (out.token_ids, out.text, out.finish_reason, out.logprobs)
+            for out in engine.generate(requests)}
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +167,6 @@ def test_choices_overlap_once_forked(tiny_model_dir):
     assert len(overlapped) == 15 and engine.num_overlapped_steps > 0
     assert overlapped == by_choice(engine_for(tiny_model_dir, False, **BIG_POOL), requests)
     assert all_blocks_free(engine)
-
-
-def by_choice(engine: Engine, requests: list[Request]) -> dict:
-    """Each answer (tokens, text, finish reason, logprobs) by (id, choice)."""
-    return {(out.id, out.choice): (out.token_ids, out.text, out.finish_reason, out.logprobs)
-            for out in engine.generate(requests)}
 
 
 def test_a_timeout_drops_the_token_in_flight(tiny_model_dir):
