@@ -42,7 +42,7 @@ from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.engine.generation import generate
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.scheduler import Scheduler
-from pipeline.engine.sequence import PENDING_TOKEN, Sequence
+from pipeline.engine.sequence import Sequence
 from pipeline.engine.speculative import Speculator
 from pipeline.layers import attention
 from pipeline.layers.grammar_masks import StructuredOutputs
@@ -339,8 +339,7 @@ class Engine:
         for row, seq in enumerate(sampling):
             if seq.is_finished:
                 continue   # by the step read back before its mask: this row is dropped
-            seq.output_token_ids.append(PENDING_TOKEN)
-            seq.num_pending_tokens += 1
+            seq.add_pending()
             seq.pending_row = row
         return launched
 
@@ -368,23 +367,11 @@ class Engine:
     def _resolve_pending(self, seq: Sequence, token: int) -> bool:
         """Put `token` in seq's oldest pending place; returns True when it finishes seq (the
         pending token after it, if the step in flight computes one, is then dropped)."""
-        out = seq.output_token_ids
-        seq.num_pending_tokens -= 1
-        later = seq.num_pending_tokens
-        if later:
-            del out[-later:]
-        out[-1] = token
-        if self._token_ends(seq, token):
-            seq.num_pending_tokens = 0
+        later = seq.drop_pending() - 1
+        if self._append_token(seq, token):
             return True
-        out.extend([PENDING_TOKEN] * later)
+        seq.add_pending(later)
         return False
-
-    def _drop_pending(self, seq: Sequence) -> None:
-        """Forget seq's tokens still in flight (it is retired before they come back)."""
-        if seq.num_pending_tokens:
-            del seq.output_token_ids[-seq.num_pending_tokens:]
-            seq.num_pending_tokens = 0
 
     def _retire_pooled(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Finish the embedding sequences whose prompt this step completed, with their vectors."""
@@ -484,7 +471,7 @@ class Engine:
         now = time.perf_counter()
         expired = [seq for seq in self.scheduler.unfinished() if seq.is_timed_out(now)]
         for seq in expired:
-            self._drop_pending(seq)
+            seq.drop_pending()   # its tokens in flight
             seq.detokenizer.flush()
             seq.finish_reason, seq.finish_time = FinishReason.TIMEOUT, now
             if seq.matcher is not None:
@@ -504,10 +491,6 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; returns True when the sequence is finished."""
         seq.output_token_ids.append(token)
-        return self._token_ends(seq, token)
-
-    def _token_ends(self, seq: Sequence, token: int) -> bool:
-        """Whether seq's newest token, `token`, finishes it (then its finish_reason is set)."""
         params = seq.params
         matcher = seq.matcher
         if matcher is not None:

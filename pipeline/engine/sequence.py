@@ -151,6 +151,25 @@ class Sequence:
         return self.num_tokens - self.num_pending_tokens
 
     @property
+    def known_output_token_ids(self) -> list[int]:
+        """The output tokens whose ids the host has."""
+        out = self.output_token_ids
+        return out[:len(out) - self.num_pending_tokens] if self.num_pending_tokens else out
+
+    def add_pending(self, count: int = 1) -> None:
+        """Hold places for `count` output tokens sampled on the device (overlapped steps)."""
+        self.output_token_ids.extend([PENDING_TOKEN] * count)
+        self.num_pending_tokens += count
+
+    def drop_pending(self) -> int:
+        """Forget the pending output tokens; returns how many there were."""
+        count = self.num_pending_tokens
+        if count:
+            del self.output_token_ids[-count:]
+            self.num_pending_tokens = 0
+        return count
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -177,9 +177,8 @@ class Sampler:
             params = seq.params
             if not params.has_penalties:
                 continue
-            output = seq.output_token_ids
+            output = seq.known_output_token_ids
             if seq.num_pending_tokens:
-                output = output[:len(output) - seq.num_pending_tokens]
                 if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
                     pending.append((row, seq.pending_row, params))
             if params.repetition_penalty != 1.0:
@@ -208,8 +207,7 @@ class Sampler:
         if mul_rows or repeated:
             rows, tokens = self._cat(mul_rows, np.int64), self._cat(mul_tokens, np.int64)
             penalty = self._cat(mul_values, np.float32).to(logits.dtype)
-            values = logits[rows, tokens]
-            logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+            logits[rows, tokens] = _repeated(logits[rows, tokens], penalty)
             if repeated:
                 self._repeat_pending(logits, rows, tokens, repeated, newest)
         counted = [(r, p) for r, _, p in pending if p.frequency_penalty or p.presence_penalty]
@@ -233,8 +231,7 @@ class Sampler:
         penalty = self._to_device(np.asarray([v for _, v in repeated], dtype=np.float32)).to(logits.dtype)
         index = (pending_rows, newest[pending_rows])
         values = logits[index]
-        penalised = torch.where(values > 0, values / penalty, values * penalty)
-        logits[index] = torch.where(seen[pending_rows] > 0, values, penalised)
+        logits[index] = torch.where(seen[pending_rows] > 0, values, _repeated(values, penalty))
 
     def _count_pending(self, values, rows, tokens, add_counts, add_rows, counted, newest, seqs):
         """The additive penalties' (row, token, value) with each pending token counted: a known
@@ -293,6 +290,11 @@ class Sampler:
             min_ps = column([p.min_p for p in params])
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True) if normalize else probs
+
+
+def _repeated(values: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL's repetition penalty on seen tokens' logits: divided if > 0, else multiplied."""
+    return torch.where(values > 0, values / penalty, values * penalty)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
