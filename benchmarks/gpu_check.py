@@ -18,6 +18,10 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
   error relative to the logits' spread; greedy agreement in bf16 reported.
 - int8/nf4 quantized at load (only where bitsandbytes imports), no host read in a decode
   step's forward and one per step, CUDA graph replay equal to eager (CUDA only).
+- paged_decode_kernel (gpu_attention.py): the Triton paged decode kernel that torch
+  2.10/2.11's decode steps use, against the reference backend on a 1B-shaped layer in bf16,
+  and its microseconds against gathering the pages for torch's packed varlen_attn (or
+  against the paged FlashAttention-2 of torch >= 2.12). On a CPU under Triton's interpreter.
 - speed (gpu_speed.py): a Llama-3.2-1B-shaped random bf16 model, 256 sequences, 128-token
   prompts, 512-token outputs (--quick: 64 x 128 x 128 on CUDA; a small model on a CPU):
   output tok/s and its share of the HBM roofline (target 0.40), then Hugging Face
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import signal
 import sys
@@ -53,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the engine, 
 
 import torch  # noqa: E402
 
+import gpu_attention  # noqa: E402
 import gpu_models  # noqa: E402
 import gpu_quant  # noqa: E402
 import gpu_speed  # noqa: E402
@@ -155,14 +161,20 @@ def check_environment(run: Run) -> None:
     from pipeline.layers.attention.flash_entry import entry_kind, installed_varlen_attn
     import transformers
 
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     fields = dict(torch=torch.__version__, transformers=transformers.__version__, python=sys.version.split()[0],
-                  varlen_attn_entry=entry_kind(installed_varlen_attn()))
+                  triton=triton_version, varlen_attn_entry=entry_kind(installed_varlen_attn()))
     if run.device == "cuda":
         fields.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()))
         shape = gpu_models.NUMERICS
         backend = select("auto", torch.device("cuda"), torch.bfloat16, torch.bfloat16,
                          (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]))
-        fields.update(attention_auto_bf16=type(backend).__name__, cuda_graphs=backend.supports_cuda_graphs)
+        fields.update(attention_auto_bf16=type(backend).__name__, cuda_graphs=backend.supports_cuda_graphs,
+                      triton_paged_decode=getattr(backend, "decode_kernel", None) is not None)
     report("environment", "info", **fields, attention_log=list(run.log_lines))
 
 
@@ -357,7 +369,8 @@ def check_graph_replay(run: Run) -> None:
 
 CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_numerics_float32, 20),
           ("numerics_bf16", check_numerics_bf16, 20), ("cuda_graph_replay_equals_eager", check_graph_replay, 30),
-          ("no_host_sync_in_decode_step", check_host_syncs, 15), ("throughput_pipeline", gpu_speed.check_speed, 90),
+          ("no_host_sync_in_decode_step", check_host_syncs, 15),
+          ("paged_decode_kernel", gpu_attention.check_decode_kernel, 15), ("throughput_pipeline", gpu_speed.check_speed, 90),
           ("refill_admission_groups", gpu_speed.check_refill, 60),
           ("overlapped_steps", gpu_speed.check_overlap, 40),
           ("quantized_at_load", check_quantized, 30),
@@ -384,6 +397,8 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="a folder with tokenizer.json  [default: .gpu-carry/tokenizer, else the "
                                         "converted bundled model]")
     args = ap.parse_args()
+    if args.device == "cpu":   # Triton kernels run interpreted (chosen when one is defined: before any import)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     start = time.monotonic()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 

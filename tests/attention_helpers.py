@@ -90,3 +90,16 @@ def top_left_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
                          window_size=(-1, -1)):
     """2.11's signature with the causal mask aligned top left: what the probe must refuse."""
     return packed_attention(query, key, value, cu_seq_q, cu_seq_k, scale, tuple(window_size) == (-1, 0), top_left=True)
+
+
+def next_decode_layout(engine, requests):
+    """Add requests, run their prefills (one step), and lay out the next step, in which
+    every one of them decodes a token: (its batch, its StepLayout)."""
+    for request in requests:
+        engine.add_request(request)
+    engine.step()   # the prefills; the next step decodes all of them
+    engine.step()
+    batch = engine.scheduler.schedule()
+    layout = engine.runner._prepare(batch.seqs, batch.num_new_tokens)
+    assert layout.is_plain_decode and layout.num_seqs == len(requests)
+    return batch, layout

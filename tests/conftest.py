@@ -7,11 +7,17 @@ The `ledger` fixture shadows the module name, so tests import from jobs.ledger d
 """
 from __future__ import annotations
 
+import os
 import uuid
 
 import psycopg
 import pytest
 import torch
+
+# Triton kernels (pipeline/kernels/paged_decode_triton.py) run under Triton's interpreter
+# where there is no GPU; it is chosen when a kernel is defined, so before any is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cluster import TINY_CONTEXT, Cluster
 from jobs.ledger import make_engine, session_factory, upgrade

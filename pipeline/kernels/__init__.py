@@ -1,4 +1,6 @@
-"""Hand-written CPU kernels, built on first use with the system C compiler.
+"""Hand-written CPU kernels, built on first use with the system C compiler (this module).
+Beside them, paged_decode_triton.py: the one Triton kernel, decode attention on CUDA
+for torch 2.10/2.11's varlen backend (imported only there).
 
 paged_attention.c: decode attention reading the paged KV cache in place.
 quantize_rows.c: per-token uint8 quantization of a linear's input and the per-token

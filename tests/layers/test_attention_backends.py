@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention_helpers import BS, CPU, NUM_BLOCKS, hand_made_batch, runner_for, seq
+from attention_helpers import BS, CPU, NUM_BLOCKS, hand_made_batch, next_decode_layout, runner_for, seq
 from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
 from pipeline.layers.attention import HostToDevice, LayerCache, select
 from pipeline.layers.attention.cpu import CpuBackend
@@ -181,16 +181,11 @@ def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_di
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
                                  max_num_seqs=4, pack_weights=False, attention_backend="reference"))
     rng = random.Random(0)
-    for i, n in enumerate((5, 19, 33)):
-        engine.add_request(Request(f"g{i}", prompt_token_ids=[rng.randrange(100, 49000) for _ in range(n)],
-                                   params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
     assert engine.runner.graphs is None   # cuda_graphs is on by default, and ignored on a CPU
-    engine.step()   # the prefills; the next step decodes all three
-    engine.step()
-    batch = engine.scheduler.schedule()
+    batch, layout = next_decode_layout(engine, [
+        Request(f"g{i}", prompt_token_ids=[rng.randrange(100, 49000) for _ in range(n)],
+                params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for i, n in enumerate((5, 19, 33))])
     runner = engine.runner
-    layout = runner._prepare(batch.seqs, batch.num_new_tokens)
-    assert layout.is_plain_decode and layout.num_seqs == 3
     kv = runner.kv_cache
     graphs = DecodeGraphs(engine.model, 4, engine.max_model_len, engine.block_size, kv.pad_block, CPU)
     with torch.inference_mode():

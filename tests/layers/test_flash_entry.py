@@ -84,7 +84,7 @@ def test_varlen_follows_the_signature(monkeypatch):
     monkeypatch.setattr(choice, "installed_varlen_attn", lambda: varlen_attn_2_11)
     backend = select("varlen", CUDA, torch.bfloat16, torch.bfloat16)
     assert type(backend) is PackedVarlenBackend and backend.kernel is varlen_attn_2_11
-    assert not backend.supports_cuda_graphs and backend.default_block_size == 16
+    assert backend.decode_kernel is not None and backend.default_block_size == 16   # Triton: test_paged_decode_triton
     backend.check(16, torch.bfloat16, torch.bfloat16, CUDA)                     # no page constraint
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         backend.check(16, torch.float32, torch.float32, CUDA)
@@ -99,7 +99,7 @@ def messages(caplog) -> list[str]:
 
 @pytest.mark.parametrize("kernel, capable, expected, said", [
     (varlen_attn_2_12, True, VarlenBackend, "over the paged cache"),
-    (varlen_attn_2_11, True, PackedVarlenBackend, "gathered each step"),
+    (varlen_attn_2_11, True, PackedVarlenBackend, "gathered each step (torch"),
     (top_left_varlen_attn, True, CpuBackend, "failed a probe: max_q 3: off by"),
     (varlen_attn_2_11, False, CpuBackend, "compute capability 8.0 (Ampere) or later, this GPU has 7.5"),
     (None, True, CpuBackend, "has no torch.nn.attention.varlen.varlen_attn"),
@@ -116,6 +116,29 @@ def test_auto_on_cuda_takes_what_torch_and_the_gpu_serve(monkeypatch, caplog, ke
         assert type(backend) is expected
     said_lines = messages(caplog)
     assert len(said_lines) == 1 and said in said_lines[0], said_lines
+
+
+def wrong_decode(q, k_cache, v_cache, block_table, seqused_k, scale):
+    return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("decode_kernel, graphs, said", [
+    ("installed", True, "for steps with prefill chunks; decode-only steps read the pages in place (Triton) and "
+                        "replay CUDA graphs"),
+    (None, False, "decode steps too (Triton does not import): no CUDA graphs"),
+    (wrong_decode, False, "decode steps too (the Triton paged decode failed a probe: max_q 1: off by"),
+])
+def test_a_packed_torch_reads_decode_pages_with_triton_where_it_passes_the_probe(monkeypatch, caplog, decode_kernel,
+                                                                                  graphs, said):
+    from pipeline.layers.attention import varlen_packed
+    if decode_kernel != "installed":
+        monkeypatch.setattr(varlen_packed, "triton_paged_decode", lambda: decode_kernel)
+    monkeypatch.setattr(choice, "installed_varlen_attn", lambda: varlen_attn_2_11)
+    monkeypatch.setattr(choice, "flash_capable", lambda device: True)
+    caplog.set_level(logging.INFO, "pipeline.layers.attention")
+    backend = choice.cuda_backend(CPU, torch.float16, torch.float16, (4, 2, 16))
+    assert type(backend) is PackedVarlenBackend and backend.supports_cuda_graphs == graphs
+    assert len(messages(caplog)) == 1 and said in messages(caplog)[0], messages(caplog)
 
 
 def test_a_kernel_that_raises_falls_back(monkeypatch, caplog):

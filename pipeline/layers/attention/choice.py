@@ -4,7 +4,9 @@ installed torch and the GPU offer, and said once in the log.
 In float16/bfloat16 with a cache of that dtype:
 - VarlenBackend where torch's varlen_attn reads pages (block_table: torch >= 2.12);
 - PackedVarlenBackend where it reads contiguous keys only (torch 2.10, 2.11): pages
-  gathered each step, no CUDA graphs;
+  gathered for steps with prefill chunks, decode-only steps read in place by a Triton
+  kernel and replayed from CUDA graphs (without Triton, or if that kernel fails the
+  probe, decodes gather too and nothing is graphed);
 - otherwise, on a GPU older than Ampere (FlashAttention-2 needs compute capability 8.0),
   or when the chosen backend fails a probe: the cpu backend's PyTorch paths (correct on
   any device, per-chunk SDPA and gathered-block decode; slow: no CUDA graphs).
@@ -35,17 +37,18 @@ def say_once(level: int, message: str) -> None:
     log.log(level, message)
 
 
-def varlen_backend(kernel=None) -> AttentionBackend:
-    """The FlashAttention varlen backend for this torch's varlen_attn (no probe)."""
+def varlen_backend(kernel=None, paged_decode: bool = True) -> AttentionBackend:
+    """The FlashAttention varlen backend for this torch's varlen_attn (no probe); on a
+    packed one, paged_decode: decode steps through the Triton kernel where it imports."""
     from pipeline.layers.attention.varlen import VarlenBackend
-    from pipeline.layers.attention.varlen_packed import PackedVarlenBackend
+    from pipeline.layers.attention.varlen_packed import PackedVarlenBackend, triton_paged_decode
 
     kernel = kernel or installed_varlen_attn()
     kind = entry_kind(kernel)
     if kind == PAGED:
         return VarlenBackend(kernel)
     if kind == PACKED:
-        return PackedVarlenBackend(kernel)
+        return PackedVarlenBackend(kernel, triton_paged_decode() if paged_decode else None)
     raise ValueError("the varlen attention backend needs torch.nn.attention.varlen.varlen_attn (torch >= 2.10); "
                      f"torch {torch.__version__} has {'none' if kernel is None else 'one of another signature'}: "
                      "use attention_backend 'cpu' or 'reference'")
@@ -62,34 +65,49 @@ def cuda_backend(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype
                                   "paths of the cpu backend, without FlashAttention (float16/bfloat16 with a cache "
                                   "of that dtype only) or CUDA graphs: slow")
         return CpuBackend()
-    problem = _decide(device, dtype, heads or PROBE_HEADS)
+    problem, paged_decode = _decide(device, dtype, heads or PROBE_HEADS)
     if problem is None:
-        return varlen_backend()
+        return varlen_backend(paged_decode=paged_decode)
     say_once(logging.WARNING, f"attention on this GPU: the PyTorch paths of the cpu backend, slow (no CUDA graphs): "
                               f"{problem}")
     return CpuBackend()
 
 
 @functools.cache
-def _decide(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int]) -> str | None:
-    """None when FlashAttention varlen serves here, else why not. Once per process."""
+def _decide(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int]) -> tuple[str | None, bool]:
+    """(None when FlashAttention varlen serves here, else why not; whether a packed
+    backend's decode steps take the Triton kernel). Once per process."""
     kernel = installed_varlen_attn()
     kind = entry_kind(kernel)
     if kind is None:
         return (f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn we can call "
-                "(FlashAttention-2 varlen: torch >= 2.10)")
+                "(FlashAttention-2 varlen: torch >= 2.10)"), False
     if not flash_capable(device):
         major, minor = torch.cuda.get_device_capability(device)
-        return f"FlashAttention-2 needs compute capability 8.0 (Ampere) or later, this GPU has {major}.{minor}"
-    problem = probe(varlen_backend(kernel), device, dtype, heads)
+        return f"FlashAttention-2 needs compute capability 8.0 (Ampere) or later, this GPU has {major}.{minor}", False
+    if kind == PAGED:
+        problem = probe(varlen_backend(kernel), device, dtype, heads)
+        if problem is not None:
+            return f"the paged varlen_attn of torch {torch.__version__} failed a probe: {problem}", False
+        say_once(logging.INFO, f"attention: FlashAttention-2 varlen over the paged cache (torch {torch.__version__}'s "
+                               "varlen_attn takes block_table)")
+        return None, False
+    gathered = (f"attention: FlashAttention-2 varlen over pages gathered each step (torch {torch.__version__}'s "
+                "varlen_attn has no block_table; paged from torch 2.12)")
+    backend = varlen_backend(kernel)
+    problem = probe(backend, device, dtype, heads)
+    if problem is None and backend.decode_kernel is not None:
+        say_once(logging.INFO, f"{gathered} for steps with prefill chunks; decode-only steps read the pages in place "
+                               "(Triton) and replay CUDA graphs")
+        return None, True
+    why_gathered = "Triton does not import"
+    if problem is not None and backend.decode_kernel is not None:
+        why_gathered = f"the Triton paged decode failed a probe: {problem}"
+        problem = probe(varlen_backend(kernel, paged_decode=False), device, dtype, heads)
     if problem is not None:
-        return f"the {kind} varlen_attn of torch {torch.__version__} failed a probe: {problem}"
-    say_once(logging.INFO if kind == PAGED else logging.WARNING,
-             "attention: FlashAttention-2 varlen over the paged cache (torch "
-             f"{torch.__version__}'s varlen_attn takes block_table)" if kind == PAGED else
-             f"attention: FlashAttention-2 varlen over pages gathered each step (torch {torch.__version__}'s "
-             "varlen_attn has no block_table; paged from torch 2.12): no CUDA graphs, slower decode")
-    return None
+        return f"the packed varlen_attn of torch {torch.__version__} failed a probe: {problem}", False
+    say_once(logging.WARNING, f"{gathered}, decode steps too ({why_gathered}): no CUDA graphs, slower decode")
+    return None, False
 
 
 def flash_capable(device: torch.device) -> bool:
