@@ -1,6 +1,7 @@
-"""gpu_check.py's decode-attention line: the Triton paged decode kernel
+"""gpu_check.py's lines for our Triton kernels: the paged decode kernel
 (pipeline/kernels/paged_decode_triton.py) against the reference, and its speed against
-what a decode step would otherwise run on this torch.
+what a decode step would otherwise run on this torch; and the fused elementwise kernels
+(pointwise_triton.py) against PyTorch's ops (`check_pointwise_kernels`).
 
 One Llama-3.2-1B-shaped layer's decode attention (32 query heads over 8 KV heads of 64) in
 bf16, block size 16, each sequence's pages scattered over the pool: 256 sequences of 128 to
@@ -100,3 +101,72 @@ def _packed_metadata(meta: VarlenMetadata):
     slots = key_slots(meta.block_table, meta.seqused_k, meta.cu_seq_k, total, 16)
     return PackedVarlenMetadata(meta.slot_mapping, meta.cu_seq_q, meta.cu_seq_k, meta.seqused_k, meta.block_table,
                                 meta.max_q, meta.max_k, slots)
+
+
+def check_pointwise_kernels(run) -> None:
+    """A Llama-3.2-1B-shaped layer's elementwise work at 256 decode rows, 16 layers' worth:
+    PyTorch's ops (what runs without the fused kernels) against pointwise_triton's, each
+    captured in one CUDA graph and replayed (the decode steps' case), microseconds per layer."""
+    from pipeline.kernels import pointwise_triton as fused
+    from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenMetadata
+    from pipeline.models.llama import Rotation, apply_rotary
+
+    device = run.device
+    rows, hidden, inter, layers = (256, 2048, 8192, 16) if device == "cuda" else (8, 64, 128, 2)
+    num_heads, num_kv_heads, head_dim = HEADS if device == "cuda" else (4, 2, 16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+    x, residual, weight = rand(rows, hidden), rand(rows, hidden), rand(hidden)
+    gate_up = rand(rows, 2 * inter)
+    qkv = rand(rows, (num_heads + 2 * num_kv_heads) * head_dim)
+    angles = torch.randn(rows, head_dim // 2, generator=gen).to(device)
+    rotation = Rotation(angles.cos(), angles.sin())
+    cache = LayerCache(torch.zeros(rows // 16 + 1, 16, num_kv_heads, head_dim, dtype=dtype, device=device),
+                       torch.zeros(rows // 16 + 1, 16, num_kv_heads, head_dim, dtype=dtype, device=device))
+    meta = VarlenMetadata(slot_mapping=torch.randperm(rows, generator=gen).to(device), cu_seq_q=None, cu_seq_k=None,
+                          seqused_k=None, block_table=None, max_q=1, max_k=1)
+    reference = ReferenceVarlenBackend()
+    q_end, k_end = num_heads, num_heads + num_kv_heads
+
+    def pytorch_layer():
+        for _ in range(2):
+            total = residual + x
+            torch.nn.functional.rms_norm(total, (hidden,), weight, 1e-5)
+        heads = qkv.view(rows, -1, head_dim)
+        qk = apply_rotary(heads[:, :k_end], rotation.complex)
+        reference.write_kv(cache, qk[:, q_end:], heads[:, k_end:], meta)
+        gate, up = gate_up.split(inter, dim=-1)
+        torch.nn.functional.silu(gate).mul_(up)
+
+    def fused_layer():
+        for _ in range(2):
+            fused.add_rms_norm(x, residual, weight, 1e-5)
+        fused.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.slot_mapping, cache.k, cache.v, num_heads,
+                              num_kv_heads)
+        fused.silu_and_mul(gate_up)
+
+    problem = fused.probe(torch.device(device), dtype)
+    fields = dict(rows=rows, hidden=hidden, intermediate=inter, dtype=str(dtype).removeprefix("torch."),
+                  probe=problem)
+    for name, layer in (("pytorch", pytorch_layer), ("fused", fused_layer)):
+        if device == "cuda":
+            graph = _captured(lambda: [layer() for _ in range(layers)])
+            fields[f"{name}_us_per_layer"] = round(timed(graph.replay, device, 20) / layers, 2)
+        else:
+            fields[f"{name}_us_per_layer"] = round(timed(layer, device, 1), 1)
+    if device == "cuda":
+        fields["speedup"] = round(fields["pytorch_us_per_layer"] / fields["fused_us_per_layer"], 2)
+    report("pointwise_kernels", "passed" if problem is None else "failed", **fields)
+
+
+def _captured(fn):
+    """fn captured in a CUDA graph (after a warm-up run, as the engine's decode graphs are)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

@@ -22,6 +22,9 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
   2.10/2.11's decode steps use, against the reference backend on a 1B-shaped layer in bf16,
   and its microseconds against gathering the pages for torch's packed varlen_attn (or
   against the paged FlashAttention-2 of torch >= 2.12). On a CPU under Triton's interpreter.
+- pointwise_kernels (gpu_attention.py): the fused elementwise kernels (norms with the
+  residual add, rotary + cache write, SiLU-and-multiply) against PyTorch's ops, 16
+  1B-shaped layers at 256 rows captured in a CUDA graph each way: microseconds per layer.
 - speed (gpu_speed.py): a Llama-3.2-1B-shaped random bf16 model, 256 sequences, 128-token
   prompts, 512-token outputs (--quick: 64 x 128 x 128 on CUDA; a small model on a CPU):
   output tok/s and its share of the HBM roofline (target 0.40), then Hugging Face
@@ -63,7 +66,7 @@ import gpu_models  # noqa: E402
 import gpu_quant  # noqa: E402
 import gpu_speed  # noqa: E402
 from gpu_report import REPORTED, BudgetExceeded, report  # noqa: E402
-from pipeline import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels  # noqa: E402
 from pipeline.layers import weight_quant as wq  # noqa: E402
 
 MARGIN = 0.05   # nats: the least top-1/top-2 gap a chosen prompt's greedy steps may have
@@ -174,7 +177,9 @@ def check_environment(run: Run) -> None:
         backend = select("auto", torch.device("cuda"), torch.bfloat16, torch.bfloat16,
                          (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]))
         fields.update(attention_auto_bf16=type(backend).__name__, cuda_graphs=backend.supports_cuda_graphs,
-                      triton_paged_decode=getattr(backend, "decode_kernel", None) is not None)
+                      triton_paged_decode=getattr(backend, "decode_kernel", None) is not None,
+                      fused_pointwise_bf16=kernels.triton_pointwise(torch.zeros(1, device="cuda",
+                                                                                dtype=torch.bfloat16)) is not None)
     report("environment", "info", **fields, attention_log=list(run.log_lines))
 
 
@@ -370,7 +375,9 @@ def check_graph_replay(run: Run) -> None:
 CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_numerics_float32, 20),
           ("numerics_bf16", check_numerics_bf16, 20), ("cuda_graph_replay_equals_eager", check_graph_replay, 30),
           ("no_host_sync_in_decode_step", check_host_syncs, 15),
-          ("paged_decode_kernel", gpu_attention.check_decode_kernel, 15), ("throughput_pipeline", gpu_speed.check_speed, 90),
+          ("paged_decode_kernel", gpu_attention.check_decode_kernel, 15),
+          ("pointwise_kernels", gpu_attention.check_pointwise_kernels, 10),
+          ("throughput_pipeline", gpu_speed.check_speed, 90),
           ("refill_admission_groups", gpu_speed.check_refill, 60),
           ("overlapped_steps", gpu_speed.check_overlap, 40),
           ("quantized_at_load", check_quantized, 30),

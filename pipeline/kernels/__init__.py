@@ -1,6 +1,7 @@
 """Hand-written CPU kernels, built on first use with the system C compiler (this module).
-Beside them, paged_decode_triton.py: the one Triton kernel, decode attention on CUDA
-for torch 2.10/2.11's varlen backend (imported only there).
+Beside them, two Triton modules for CUDA, imported only there: paged_decode_triton.py
+(decode attention for torch 2.10/2.11's varlen backend) and pointwise_triton.py (the
+layer's elementwise steps fused as these C kernels fuse them; `triton_pointwise`).
 
 paged_attention.c: decode attention reading the paged KV cache in place.
 quantize_rows.c: per-token uint8 quantization of a linear's input and the per-token
@@ -129,6 +130,18 @@ def _load():
 def _kernel(name: str, dtype: torch.dtype):
     """The C function for this dtype: float32 `name`, bfloat16 `name_bf16`."""
     return getattr(_load(), name if dtype == torch.float32 else name + "_bf16")
+
+
+def triton_pointwise(*tensors: torch.Tensor):
+    """pointwise_triton (the fused elementwise kernels for CUDA) where they serve these
+    tensors, else None: off CUDA, without Triton, or where its probe failed."""
+    if not tensors[0].is_cuda:
+        return None
+    try:
+        from pipeline.kernels import pointwise_triton
+    except ImportError:   # no Triton
+        return None
+    return pointwise_triton if pointwise_triton.serves(*tensors) else None
 
 
 def available() -> bool:

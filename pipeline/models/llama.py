@@ -148,9 +148,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rmsnorm(x); with a residual stream: (rmsnorm(x + residual), x + residual), the
         addition fused into the norm as in vLLM (the residual may be updated in place)."""
-        if kernels.serves(x, self.weight) and (residual is None or residual.is_contiguous()):
-            out = kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, residual)
+        if residual is None or residual.is_contiguous():
+            fused = kernels if kernels.serves(x, self.weight) else kernels.triton_pointwise(x, self.weight)
+            if fused is not None and x.is_contiguous():
+                out = fused.add_rms_norm(x, residual, self.weight, self.eps)
+                return out if residual is None else (out, residual)
         if residual is not None:
             residual = residual + x
             return self._norm(residual), residual
@@ -211,8 +213,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if kernels.serves(gate_up):
-            return self.down_proj(kernels.silu_and_mul(gate_up))
+        fused = kernels if kernels.serves(gate_up) else kernels.triton_pointwise(gate_up)
+        if fused is not None and gate_up.is_contiguous():
+            return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 

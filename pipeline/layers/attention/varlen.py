@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline import kernels
 from pipeline.layers.attention import AttentionBackend, HostToDevice, LayerCache, StepLayout
 from pipeline.layers.attention.flash_entry import causal_window, installed_varlen_attn
 
@@ -60,6 +61,16 @@ class ReferenceVarlenBackend(AttentionBackend):
     def build_metadata(self, layout: StepLayout, num_kv_heads: int, to_device: HostToDevice) -> VarlenMetadata:
         arrays = {name: to_device(name, a) for name, a in varlen_arrays(layout).items()}
         return VarlenMetadata(**arrays, max_q=int(layout.query_lens.max()), max_k=int(layout.context_lens.max()))
+
+    def rotary_write_kv(self, qkv, rotation, meta: VarlenMetadata, cache: LayerCache, num_heads, num_kv_heads) -> bool:
+        """On CUDA, the fused Triton kernel (kernels/pointwise_triton.py): q and k rotated in
+        place, k and v stored at their slots, in one launch instead of five."""
+        fused = kernels.triton_pointwise(qkv, cache.k)
+        if fused is None or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            return False
+        fused.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.slot_mapping, cache.k, cache.v, num_heads,
+                              num_kv_heads)
+        return True
 
     def write_kv(self, cache: LayerCache, k, v, meta: VarlenMetadata) -> None:
         cache.k.view(-1, *cache.k.shape[2:]).index_copy_(0, meta.slot_mapping, k)
