@@ -89,10 +89,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_table_ptr,
 
 def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per sequence: 1 once the batch alone gives every SM PROGRAMS_PER_SM
-    programs, else enough to approach that (a function of the batch size only, so a
-    CUDA graph's bucket keeps its launch shape)."""
-    programs = num_seqs * num_kv_heads
-    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * num_sms // programs)))
+    programs, else the power of two that reaches that (a function of the batch size only,
+    so a CUDA graph's bucket keeps its launch shape; powers of two, so the graph buckets
+    compile a handful of variants)."""
+    wanted = -(-PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads))
+    return min(MAX_SPLITS, triton.next_power_of_2(max(1, wanted)))
 
 
 @functools.cache

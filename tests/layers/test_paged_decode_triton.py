@@ -74,7 +74,8 @@ def test_kernel_equals_attention_by_hand(dtype, heads, block_size, splits):
 
 def test_splits_fill_the_gpu_only_when_the_batch_does_not():
     assert num_splits(256, 8, 132) == 1            # 2,048 programs for 132 SMs
-    assert num_splits(16, 8, 132) == 5             # 128 programs: 5 splits give 640, about 4 an SM
+    assert num_splits(16, 8, 132) == 8             # 128 programs: 4.1x short of 4 an SM, so 8 splits
+    assert num_splits(48, 8, 132) == 2 and num_splits(80, 8, 132) == 1
     assert num_splits(1, 1, 132) == MAX_SPLITS
     assert num_splits(3, 2, 1) == 1                # the interpreter's one "SM"
 
