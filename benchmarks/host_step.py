@@ -2,7 +2,7 @@
 """Host time of a decode step at many sequences: what the engine's Python does around the
 forward and the sampler, which a GPU would otherwise wait on.
 
-    python benchmarks/host_step.py [--seqs 256] [--steps 48] [--rounds 3]
+    python benchmarks/host_step.py [--seqs 256] [--steps 48] [--rounds 3] [--stub-model]
 
 A tiny random Llama (the bundled tokenizer's 49,152 tokens, hidden 64) on the CPU, `seqs`
 requests of 128-token prompts decoding together; once every prompt is computed, each
@@ -11,6 +11,11 @@ rest (scheduling, appending tokens, detokenising, stop strings, outputs): the ho
 share, the figure the GPU path needs far below its ~10 ms decode step. Three workloads:
 greedy, sampled (temperature 1), and greedy with a stop string (incremental detokenising).
 One JSON line per workload and round, medians in ms.
+
+--stub-model replaces the model's forward, its logits and the sampler's draw with
+precomputed tensors (the attention metadata and input tensors are still built): each
+step is then the host's own work alone, the figure overlapped steps must keep below the
+GPU's step time.
 
 glibc serves each allocation over 32 MB (here the [256, 49,152] float32 logits) with a fresh
 mmap and unmaps it when freed, so on a CPU every step page-faults the logits in again and
@@ -59,6 +64,16 @@ class Timed:
             self.spent += time.perf_counter() - start
 
 
+def stub_model(engine: Engine, seqs: int) -> None:
+    """The forward, the logits and the draw return precomputed tensors of the right shapes."""
+    hidden = torch.zeros(4096, engine.model.args.hidden_size)
+    logits = torch.zeros(seqs, 16)
+    tokens = torch.randint(100, 40000, (seqs,), generator=torch.Generator().manual_seed(0))
+    engine.model.forward = lambda input_ids, positions, meta: hidden[:len(input_ids)]
+    engine.model.compute_logits = lambda rows: logits[:len(rows)]
+    engine.sampler.draw = lambda step_logits, *args, **kwargs: tokens[:len(step_logits)]
+
+
 def measure(engine: Engine, seqs: int, steps: int, params: dict) -> dict:
     rng = random.Random(0)
     for i in range(seqs):
@@ -82,7 +97,7 @@ def measure(engine: Engine, seqs: int, steps: int, params: dict) -> dict:
             runs.append(runner.spent - before_run)
             samples.append(sampler.spent - before_sample)
     finally:
-        del engine.runner.run, engine.sampler.draw
+        engine.runner.run, engine.sampler.draw = runner.method, sampler.method   # unwrapped (a stub stays)
         engine.scheduler.abort_all()
     ms = lambda values: round(1e3 * statistics.median(values), 3)
     return {"seqs": seqs, "step_ms": ms(totals), "runner_ms": ms(runs), "sampler_ms": ms(samples),
@@ -97,6 +112,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="a folder with tokenizer.json (default: the bundled model's)")
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (large blocks mapped afresh every step)")
+    parser.add_argument("--stub-model", action="store_true",
+                        help="precomputed forward, logits and draw: time the host's own work alone (greedy only)")
     parser.add_argument("--overlap-steps", action="store_true",
                         help="overlapped steps, as on CUDA (engine.py): what their own bookkeeping adds")
     args = parser.parse_args()
@@ -107,8 +124,12 @@ def main() -> None:
         engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=args.seqs,
                                      max_num_batched_tokens=4096, kv_cache_gib=0.5,
                                      overlap_steps=args.overlap_steps))
+        workloads = WORKLOADS
+        if args.stub_model:
+            stub_model(engine, args.seqs)
+            workloads = {"greedy": WORKLOADS["greedy"]}   # the stubbed draw samples nothing
         for round_ in range(1, args.rounds + 1):
-            for name, params in WORKLOADS.items():
+            for name, params in workloads.items():
                 print(json.dumps({"workload": name, "round": round_, **measure(engine, args.seqs, args.steps, params)}),
                       flush=True)
 
