@@ -1,0 +1,73 @@
+"""Compile our Triton kernels ahead of time for Ampere and Hopper, without a GPU; one JSON
+line per variant ({"variant", "error"}). Run as a script by tests/layers/test_triton_compiles.py
+in a process of its own: a process where TRITON_INTERPRET was set when Triton was first
+imported has interpreted versions of Triton's own library functions, which the compiler
+cannot take.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+TARGETS = (80, 90)   # sm_80 (A100), sm_90 (H100, H200)
+SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 2048, 8192)}   # heads, kv, dim, hidden, mlp
+
+
+def variants():
+    """(name, kernel attribute, pointer and scalar types, constexprs, options) of every
+    variant an engine launches for these shapes."""
+    from pipeline.kernels import paged_decode_triton as decode
+
+    def next_pow2(n):
+        return 1 << (n - 1).bit_length()
+    for model, (heads, kv_heads, head_dim, hidden, inter) in SHAPES.items():
+        group = heads // kv_heads
+        for dtype in ("bf16", "fp16"):
+            for splits in (1, 8):   # a batch that fills the GPU; a small one split across SMs
+                yield (f"paged_decode/{model}/{dtype}/splits{splits}", "paged_decode_triton._paged_decode_kernel",
+                       dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}",
+                            out_ptr=f"*{dtype}" if splits == 1 else "*fp32", lse_ptr="*fp32",
+                            block_table_ptr="*i32", seqused_ptr="*i32", scale="fp32"),
+                       dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+                            HEAD_DIM_PAD=max(16, next_pow2(head_dim)), PAGE=16, BLOCK=decode.BLOCK_N, SPLITS=splits),
+                       {})
+        for dtype in ("bf16", "fp32"):
+            t = f"*{dtype}"
+            block = next_pow2(hidden)
+            for residual in (True, False):
+                yield (f"add_rms_norm/{model}/{dtype}/residual{int(residual)}", "pointwise_triton._add_rms_norm_kernel",
+                       dict(x_ptr=t, residual_ptr=t, weight_ptr=t, out_ptr=t, eps="fp32"),
+                       dict(HAS_RESIDUAL=residual, BLOCK=block), dict(num_warps=max(1, min(16, block // 256))))
+            yield (f"silu_and_mul/{model}/{dtype}", "pointwise_triton._silu_and_mul_kernel",
+                   dict(gate_up_ptr=t, out_ptr=t), dict(BLOCK=min(1024, next_pow2(inter))), {})
+            yield (f"rotary_write_kv/{model}/{dtype}", "pointwise_triton._rotary_write_kv_kernel",
+                   dict(qkv_ptr=t, cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", k_cache_ptr=t, v_cache_ptr=t),
+                   dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=head_dim // 2,
+                        HEADS_PAD=next_pow2(heads + kv_heads), HALF_PAD=next_pow2(head_dim // 2)), {})
+
+
+def main() -> None:
+    assert not os.environ.get("TRITON_INTERPRET") in ("1", "true"), "run without TRITON_INTERPRET"
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for name, where, types, constexprs, options in variants():
+        module, attribute = where.split(".")
+        kernel = getattr(importlib.import_module(f"pipeline.kernels.{module}"), attribute)
+        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+        for arch in TARGETS:
+            try:
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                                          options=options or None)
+                error = None if compiled.asm.get("cubin") else "no cubin"
+            except Exception as e:   # what a first launch on that GPU would raise
+                error = f"{type(e).__name__}: {e}"[:2000]
+            print(json.dumps({"variant": f"{name}/sm_{arch}", "error": error}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
