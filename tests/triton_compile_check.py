@@ -1,5 +1,6 @@
 """Compile our Triton kernels ahead of time for Ampere and Hopper, without a GPU; one JSON
-line per variant ({"variant", "error"}). Run as a script by tests/layers/test_triton_compiles.py
+line per variant ({"variant", "error", "registers", "stack_bytes"}: the last two read off
+the cubin by the cuobjdump Triton's wheel bundles; stack bytes are register spills). Run as a script by tests/layers/test_triton_compiles.py
 in a process of its own: a process where TRITON_INTERPRET was set when Triton was first
 imported has interpreted versions of Triton's own library functions, which the compiler
 cannot take.
@@ -8,10 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 TARGETS = (80, 90)   # sm_80 (A100), sm_90 (H100, H200)
-SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 2048, 8192)}   # heads, kv, dim, hidden, mlp
+SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 2048, 8192),   # heads, kv, dim,
+          "llama-3.1-8b": (32, 8, 128, 4096, 14336)}                                         # hidden, mlp
 
 
 def variants():
@@ -22,16 +28,13 @@ def variants():
     def next_pow2(n):
         return 1 << (n - 1).bit_length()
     for model, (heads, kv_heads, head_dim, hidden, inter) in SHAPES.items():
-        group = heads // kv_heads
         for dtype in ("bf16", "fp16"):
             for splits in (1, 8):   # a batch that fills the GPU; a small one split across SMs
                 yield (f"paged_decode/{model}/{dtype}/splits{splits}", "paged_decode_triton._paged_decode_kernel",
                        dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}",
                             out_ptr=f"*{dtype}" if splits == 1 else "*fp32", lse_ptr="*fp32",
                             block_table_ptr="*i32", seqused_ptr="*i32", scale="fp32"),
-                       dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-                            HEAD_DIM_PAD=max(16, next_pow2(head_dim)), PAGE=16, BLOCK=decode.BLOCK_N, SPLITS=splits),
-                       {})
+                       dict(**decode.tile_shape(heads, kv_heads, head_dim), PAGE=16, SPLITS=splits), {})
         for dtype in ("bf16", "fp32"):
             t = f"*{dtype}"
             block = next_pow2(hidden)
@@ -60,13 +63,29 @@ def main() -> None:
         kernel = getattr(importlib.import_module(f"pipeline.kernels.{module}"), attribute)
         signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
         for arch in TARGETS:
+            usage = {}
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
                                           options=options or None)
                 error = None if compiled.asm.get("cubin") else "no cubin"
+                usage = resource_usage(compiled.asm["cubin"]) if error is None else {}
             except Exception as e:   # what a first launch on that GPU would raise
                 error = f"{type(e).__name__}: {e}"[:2000]
-            print(json.dumps({"variant": f"{name}/sm_{arch}", "error": error}), flush=True)
+            print(json.dumps({"variant": f"{name}/sm_{arch}", "error": error, **usage}), flush=True)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes (spills) of a cubin's kernel."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return {"registers": int(found[1]), "stack_bytes": int(found[2])}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ size: decode steps get their graphs back.
 
 One program per (sequence, KV head, split): it loads the query rows of the heads that
 share that KV head (grouped-query attention: each key and value is read once for all of
-them), walks its share of the sequence's keys BLOCK_N at a time (each key's page looked
+them), walks its share of the sequence's keys a tile at a time (each key's page looked
 up in the block table), and keeps FlashAttention's running max and sum in float32. With
 one split the program writes the normalised output; with several (few sequences, so
 more programs fill the GPU) each writes its partial output and log-sum-exp, and
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64          # keys per iteration
+TILE_ELEMENTS = 4096  # keys per iteration x head_dim: 64 keys of 64, 32 of 128
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 4   # splits are added until the grid has about this many programs per SM
 
@@ -87,6 +87,18 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_table_ptr,
         tl.store(lse_ptr + seq * stride_lse_tok + heads * stride_lse_head + split, lse, mask=head_ok)
 
 
+def tile_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """The kernel's compile-time tile: query heads a group (padded to tl.dot's 16 rows),
+    head_dim padded to a power of two, and keys per iteration. Compiled for sm_90, 64 keys
+    of head_dim 128 need 255 registers and spill (tests/triton_compile_check.py counts
+    them); at TILE_ELEMENTS none spills, and a 64-dim program's 211 registers let two run on
+    an SM (the memory-bound kernel wants several)."""
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    return dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad, BLOCK=max(16, min(64, TILE_ELEMENTS // head_dim_pad)))
+
+
 def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per sequence: 1 once the batch alone gives every SM PROGRAMS_PER_SM
     programs, else the power of two that reaches that (a function of the batch size only,
@@ -117,7 +129,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("paged_decode_attention needs head_dim (and the block table's pages) contiguous")
     if block_size & (block_size - 1):
         raise ValueError(f"paged_decode_attention needs a power-of-two block size, got {block_size}")
-    group = num_heads // num_kv_heads
     if splits == 1:
         out = torch.empty(num_seqs, num_heads, 1, head_dim, dtype=q.dtype, device=q.device)
         lse = out   # unused
@@ -129,8 +140,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=block_size, BLOCK=BLOCK_N, SPLITS=splits)
+        **tile_shape(num_heads, num_kv_heads, head_dim), PAGE=block_size, SPLITS=splits)
     if splits == 1:
         return out.squeeze(2)
     return merge_splits(out, lse).to(q.dtype)
