@@ -20,6 +20,17 @@ SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 204
           "llama-3.1-8b": (32, 8, 128, 4096, 14336)}                                         # hidden, mlp
 
 
+# Integer arguments that are multiples of 16 at every launch for these shapes (strides of
+# head_dim-sized rows): Triton's JIT marks such an argument divisible by 16 when it
+# specializes a launch (and every tensor's pointer, being 16-byte aligned), which lets the
+# compiler vectorize loads; the compile here marks the same, so its registers are the launch's.
+DIVISIBLE = {"_paged_decode_kernel": {"stride_q_tok", "stride_q_head", "stride_k_block", "stride_k_slot", "stride_k_head",
+                                      "stride_v_block", "stride_v_slot", "stride_v_head", "stride_out_tok",
+                                      "stride_out_head", "stride_out_split"},
+             "_add_rms_norm_kernel": {"dim"}, "_silu_and_mul_kernel": {"inter"},
+             "_rotary_write_kv_kernel": {"stride_qkv"}}
+
+
 def variants():
     """(name, kernel attribute, pointer and scalar types, constexprs, options) of every
     variant an engine launches for these shapes."""
@@ -62,10 +73,13 @@ def main() -> None:
         module, attribute = where.split(".")
         kernel = getattr(importlib.import_module(f"pipeline.kernels.{module}"), attribute)
         signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+        divisible = DIVISIBLE[kernel.fn.__name__]
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names)
+                 if signature[arg].startswith("*") or arg in divisible}
         for arch in TARGETS:
             usage = {}
             try:
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                                           options=options or None)
                 error = None if compiled.asm.get("cubin") else "no cubin"
                 usage = resource_usage(compiled.asm["cubin"]) if error is None else {}

@@ -89,10 +89,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_table_ptr,
 
 def tile_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     """The kernel's compile-time tile: query heads a group (padded to tl.dot's 16 rows),
-    head_dim padded to a power of two, and keys per iteration. Compiled for sm_90, 64 keys
-    of head_dim 128 need 255 registers and spill (tests/triton_compile_check.py counts
-    them); at TILE_ELEMENTS none spills, and a 64-dim program's 211 registers let two run on
-    an SM (the memory-bound kernel wants several)."""
+    head_dim padded to a power of two, and keys per iteration (TILE_ELEMENTS of keys x
+    head_dim). Compiled for sm_90 as a launch specializes it (tests/triton_compile_check.py),
+    a program then takes 59 registers a thread at head_dim 64 and 86 at 128: several fit an
+    SM, which this memory-bound kernel needs to keep enough loads in flight."""
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     return dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,

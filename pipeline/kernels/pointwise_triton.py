@@ -63,31 +63,28 @@ def _rotary_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_
                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                             HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
+    # Whole rows, loaded contiguously; each row's adjacent pairs split apart in registers.
     head = tl.arange(0, HEADS_PAD)[:, None]          # q heads, then k heads
+    col = tl.arange(0, 2 * HALF_PAD)[None, :]
+    ok = (head < NUM_HEADS + NUM_KV_HEADS) & (col < 2 * HALF)
+    row_ptr = qkv_ptr + token * stride_qkv + head * (2 * HALF) + col
+    x = tl.load(row_ptr, mask=ok, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, [HEADS_PAD, HALF_PAD, 2]))
     pair = tl.arange(0, HALF_PAD)[None, :]
-    ok = (head < NUM_HEADS + NUM_KV_HEADS) & (pair < HALF)
     cos = tl.load(cos_ptr + token * HALF + pair, mask=pair < HALF, other=0.0)
     sin = tl.load(sin_ptr + token * HALF + pair, mask=pair < HALF, other=0.0)
-    even_ptr = qkv_ptr + token * stride_qkv + head * (2 * HALF) + 2 * pair
-    even = tl.load(even_ptr, mask=ok, other=0.0).to(tl.float32)
-    odd = tl.load(even_ptr + 1, mask=ok, other=0.0).to(tl.float32)
-    rotated_even = (even * cos - odd * sin).to(qkv_ptr.dtype.element_ty)
-    rotated_odd = (even * sin + odd * cos).to(qkv_ptr.dtype.element_ty)
-    tl.store(even_ptr, rotated_even, mask=ok)
-    tl.store(even_ptr + 1, rotated_odd, mask=ok)
+    rotated = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [HEADS_PAD, 2 * HALF_PAD])
+    tl.store(row_ptr, rotated.to(qkv_ptr.dtype.element_ty), mask=ok)
     # k (rotated) and v into the cache: slot * kv_heads * head_dim is the token's row there.
     slot = tl.load(slot_ptr + token)
     kv_head = head - NUM_HEADS
-    is_k = ok & (kv_head >= 0)
-    cache = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + 2 * pair
-    tl.store(k_cache_ptr + cache, rotated_even.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_cache_ptr + cache + 1, rotated_odd.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    cache_row = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + col
+    tl.store(k_cache_ptr + cache_row, rotated.to(k_cache_ptr.dtype.element_ty), mask=ok & (kv_head >= 0))
     v_head = tl.arange(0, HEADS_PAD)[:, None]
-    v_ok = (v_head < NUM_KV_HEADS) & (pair < HALF)
-    v_ptr = qkv_ptr + token * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + v_head) * (2 * HALF) + 2 * pair
-    v_cache = slot * (NUM_KV_HEADS * 2 * HALF) + v_head * (2 * HALF) + 2 * pair
-    tl.store(v_cache_ptr + v_cache, tl.load(v_ptr, mask=v_ok, other=0.0), mask=v_ok)
-    tl.store(v_cache_ptr + v_cache + 1, tl.load(v_ptr + 1, mask=v_ok, other=0.0), mask=v_ok)
+    v_ok = (v_head < NUM_KV_HEADS) & (col < 2 * HALF)
+    v = tl.load(qkv_ptr + token * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + v_head) * (2 * HALF) + col, mask=v_ok,
+                other=0.0)
+    tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF) + v_head * (2 * HALF) + col, v, mask=v_ok)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_silu_and_mul_equals_the_pytorch_ops(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 16)])   # SmolLM2-135M's; no grouping
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 16), (6, 2, 80)])   # SmolLM2-135M's; none grouped; padded
 def test_rotary_write_kv_equals_rotating_then_writing(dtype, heads):
     """qkv rows a stride apart (a slice of a wider buffer), slots scattered over two pages:
     q and k rotated in place as apply_rotary rotates them, k and v where the reference

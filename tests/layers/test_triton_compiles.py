@@ -6,8 +6,9 @@ loop the compiler cannot lower). So every kernel is also compiled ahead of time,
 PTX to a cubin with the ptxas that the Triton wheel bundles, for Ampere (sm_80) and Hopper
 (sm_90, the H200), at the variants an engine launches for SmolLM2-135M, a Llama-3.2-1B
 and a Llama-3.1-8B shape (tests/triton_compile_check.py, in a process without the
-interpreter): a kernel that would fail its first launch on such a GPU fails here, and so
-does one that spills registers to the stack.
+interpreter), with the divisibility a launch's specialization gives its arguments: a
+kernel that would fail its first launch on such a GPU fails here, and so does one that
+spills registers to the stack.
 """
 from __future__ import annotations
 
