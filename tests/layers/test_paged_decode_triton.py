@@ -142,15 +142,18 @@ def repetitive_requests(n, max_tokens):
             for i in range(n)]
 
 
-def test_an_engine_on_the_packed_backend_decodes_the_reference_tokens(tiny_model_dir, packed_engine_backend):
+@pytest.mark.parametrize("overlap_steps", [False, True], ids=["serial", "overlapped"])
+def test_an_engine_on_the_packed_backend_decodes_the_reference_tokens(tiny_model_dir, packed_engine_backend,
+                                                                      overlap_steps):
     """Chunked prefill (a 32-token budget) and a shared prefix from the prefix cache, so
-    steps mix decodes and chunks (gathered) and decode alone (the kernel)."""
+    steps mix decodes and chunks (gathered) and decode alone (the kernel); serial steps,
+    and overlapped ones as on CUDA (the decode rows' tokens filled in on the device)."""
     requests = repetitive_requests(6, 12)
     tokens, calls = {}, []
     for name in ("varlen", "reference"):
         engine = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=64,
                                      block_size=16, max_num_batched_tokens=32, max_num_seqs=6,
-                                     attention_backend=name))
+                                     attention_backend=name, overlap_steps=overlap_steps and name == "varlen"))
         if name == "varlen":
             backend = engine.attention_backend
             assert backend.decode_kernel is paged_decode_attention
@@ -162,8 +165,11 @@ def test_an_engine_on_the_packed_backend_decodes_the_reference_tokens(tiny_model
         outs = engine.generate(requests)
         assert all(o.error is None for o in outs)
         tokens[name] = {o.id: o.token_ids for o in outs}
+        if name == "varlen":
+            overlapped = engine.num_overlapped_steps
     assert tokens["varlen"] == tokens["reference"]
     assert len(calls) >= 2 * 4 and max(calls) == 6   # both layers, steps of all six decoding
+    assert (overlapped > 0) == overlap_steps
 
 
 def test_the_padded_decode_forward_a_graph_captures_equals_the_unpadded_step(tiny_model_dir, packed_engine_backend):
