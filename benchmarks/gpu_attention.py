@@ -59,7 +59,7 @@ def decode_step(num_seqs: int, block_size: int, device: str, dtype: torch.dtype 
 
 def check_decode_kernel(run) -> None:
     from pipeline.kernels.paged_decode_triton import paged_decode_attention
-    from pipeline.layers.attention.varlen_packed import PackedVarlenBackend
+    from pipeline.layers.attention.varlen_packed import PackedVarlenBackend, with_key_slots
 
     device = run.device
     sizes, iters, dtype = ((256, 16), 20, torch.bfloat16) if device == "cuda" else ((8,), 1, torch.float16)
@@ -78,7 +78,7 @@ def check_decode_kernel(run) -> None:
         row["triton_hbm_share"] = round(kv_bytes / (row["triton_us"] * 1e-6) / HBM_BYTES_S, 3)
         if device == "cuda" and kind == PACKED:
             gathering = PackedVarlenBackend()
-            layout_meta = _packed_metadata(meta)
+            layout_meta = with_key_slots(meta, int(meta.seqused_k.sum()), 16)
             row["gathered_us"] = round(timed(lambda: gathering.forward(q, None, None, cache, layout_meta, scale),
                                              device, iters), 1)
             row["gathered_over_triton"] = round(row["gathered_us"] / row["triton_us"], 2)
@@ -90,17 +90,8 @@ def check_decode_kernel(run) -> None:
         fields[f"seqs_{num_seqs}"] = row
     ok = max(errors) <= BOUND
     report("paged_decode_kernel", "passed" if ok else "failed", varlen_attn_entry=kind, heads=list(HEADS),
-           dtype=str(dtype).removeprefix("torch."), block_size=16, max_abs_error=round(max(errors), 5), bound=BOUND, **fields)
-
-
-def _packed_metadata(meta: VarlenMetadata):
-    """The gathering backend's metadata for the same step (its key slots)."""
-    from pipeline.layers.attention.varlen_packed import PackedVarlenMetadata, key_slots
-
-    total = int(meta.seqused_k.sum())
-    slots = key_slots(meta.block_table, meta.seqused_k, meta.cu_seq_k, total, 16)
-    return PackedVarlenMetadata(meta.slot_mapping, meta.cu_seq_q, meta.cu_seq_k, meta.seqused_k, meta.block_table,
-                                meta.max_q, meta.max_k, slots)
+           dtype=str(dtype).removeprefix("torch."), block_size=16, max_abs_error=round(max(errors), 5), bound=BOUND,
+           **fields)
 
 
 def check_pointwise_kernels(run) -> None:

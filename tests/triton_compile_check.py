@@ -1,6 +1,7 @@
 """Compile our Triton kernels ahead of time for Ampere and Hopper, without a GPU; one JSON
 line per variant ({"variant", "error", "registers", "stack_bytes"}: the last two read off
-the cubin by the cuobjdump Triton's wheel bundles; stack bytes are register spills). Run as a script by tests/layers/test_triton_compiles.py
+the cubin by the cuobjdump Triton's wheel bundles; stack bytes are register spills). Run
+as a script by tests/layers/test_triton_compiles.py
 in a process of its own: a process where TRITON_INTERPRET was set when Triton was first
 imported has interpreted versions of Triton's own library functions, which the compiler
 cannot take.
@@ -24,20 +25,19 @@ SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 204
 # head_dim-sized rows): Triton's JIT marks such an argument divisible by 16 when it
 # specializes a launch (and every tensor's pointer, being 16-byte aligned), which lets the
 # compiler vectorize loads; the compile here marks the same, so its registers are the launch's.
-DIVISIBLE = {"_paged_decode_kernel": {"stride_q_tok", "stride_q_head", "stride_k_block", "stride_k_slot", "stride_k_head",
-                                      "stride_v_block", "stride_v_slot", "stride_v_head", "stride_out_tok",
-                                      "stride_out_head", "stride_out_split"},
+DIVISIBLE = {"_paged_decode_kernel": {"stride_q_tok", "stride_q_head", "stride_k_block", "stride_k_slot",
+                                      "stride_k_head", "stride_v_block", "stride_v_slot", "stride_v_head",
+                                      "stride_out_tok", "stride_out_head", "stride_out_split"},
              "_add_rms_norm_kernel": {"dim"}, "_silu_and_mul_kernel": {"inter"},
              "_rotary_write_kv_kernel": {"stride_qkv"}}
 
 
 def variants():
     """(name, kernel attribute, pointer and scalar types, constexprs, options) of every
-    variant an engine launches for these shapes."""
+    variant an engine launches for these shapes, with the constants the launches compute."""
     from pipeline.kernels import paged_decode_triton as decode
+    from pipeline.kernels import pointwise_triton as pointwise
 
-    def next_pow2(n):
-        return 1 << (n - 1).bit_length()
     for model, (heads, kv_heads, head_dim, hidden, inter) in SHAPES.items():
         for dtype in ("bf16", "fp16"):
             for splits in (1, 8):   # a batch that fills the GPU; a small one split across SMs
@@ -48,17 +48,16 @@ def variants():
                        dict(**decode.tile_shape(heads, kv_heads, head_dim), PAGE=16, SPLITS=splits), {})
         for dtype in ("bf16", "fp32"):
             t = f"*{dtype}"
-            block = next_pow2(hidden)
+            block, warps = pointwise.norm_launch(hidden)
             for residual in (True, False):
                 yield (f"add_rms_norm/{model}/{dtype}/residual{int(residual)}", "pointwise_triton._add_rms_norm_kernel",
                        dict(x_ptr=t, residual_ptr=t, weight_ptr=t, out_ptr=t, eps="fp32"),
-                       dict(HAS_RESIDUAL=residual, BLOCK=block), dict(num_warps=max(1, min(16, block // 256))))
+                       dict(HAS_RESIDUAL=residual, BLOCK=block), dict(num_warps=warps))
             yield (f"silu_and_mul/{model}/{dtype}", "pointwise_triton._silu_and_mul_kernel",
-                   dict(gate_up_ptr=t, out_ptr=t), dict(BLOCK=min(1024, next_pow2(inter))), {})
+                   dict(gate_up_ptr=t, out_ptr=t), dict(BLOCK=pointwise.silu_block(inter)), {})
             yield (f"rotary_write_kv/{model}/{dtype}", "pointwise_triton._rotary_write_kv_kernel",
                    dict(qkv_ptr=t, cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", k_cache_ptr=t, v_cache_ptr=t),
-                   dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=head_dim // 2,
-                        HEADS_PAD=next_pow2(heads + kv_heads), HALF_PAD=next_pow2(head_dim // 2)), {})
+                   pointwise.rotary_shape(heads, kv_heads, head_dim), {})
 
 
 def main() -> None:
@@ -79,8 +78,8 @@ def main() -> None:
         for arch in TARGETS:
             usage = {}
             try:
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                                          options=options or None)
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                          target=GPUTarget("cuda", arch, 32), options=options or None)
                 error = None if compiled.asm.get("cubin") else "no cubin"
                 usage = resource_usage(compiled.asm["cubin"]) if error is None else {}
             except Exception as e:   # what a first launch on that GPU would raise

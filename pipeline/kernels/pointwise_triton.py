@@ -87,15 +87,33 @@ def _rotary_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_
     tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF) + v_head * (2 * HALF) + col, v, mask=v_ok)
 
 
+# Each kernel's compile-time constants for a shape: the launches below take them, and so
+# does tests/triton_compile_check.py, which compiles what they launch.
+
+def norm_launch(dim: int) -> tuple[int, int]:
+    """add_rms_norm's BLOCK (a whole row: one program a row) and its warps."""
+    block = triton.next_power_of_2(dim)
+    return block, max(1, min(16, block // 256))
+
+
+def silu_block(inter: int) -> int:
+    return min(1024, triton.next_power_of_2(inter))
+
+
+def rotary_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    half = head_dim // 2
+    return dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+                HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads), HALF_PAD=triton.next_power_of_2(half))
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rmsnorm(x) * weight; with a residual, residual += x first (in place) and that is
     normed. x and residual contiguous [rows, dim]."""
     dim = x.shape[-1]
     out = torch.empty_like(x)
-    block = triton.next_power_of_2(dim)
+    block, warps = norm_launch(dim)
     _add_rms_norm_kernel[(x.numel() // dim,)](x, x if residual is None else residual, weight, out, dim, eps,
-                                              HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                              num_warps=max(1, min(16, block // 256)))   # a row is one program
+                                              HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps)
     return out
 
 
@@ -103,7 +121,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [tokens, 2 * inter] contiguous (gate first) -> silu(gate) * up [tokens, inter]."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(inter))
+    block = silu_block(inter)
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
 
@@ -120,11 +138,9 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     if head_dim % 2 or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"rotary_write_kv: qkv of {qkv.shape[-1]} columns is not {num_heads} + 2 x {num_kv_heads} "
                          f"heads of an even head_dim {head_dim}")
-    half = head_dim // 2
     _rotary_write_kv_kernel[(qkv.shape[0],)](
         qkv, cos.contiguous(), sin.contiguous(), slot_mapping, k_cache, v_cache, qkv.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads), HALF_PAD=triton.next_power_of_2(half))
+        **rotary_shape(num_heads, num_kv_heads, head_dim))
 
 
 def serves(*tensors: torch.Tensor) -> bool:

@@ -184,7 +184,8 @@ def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_di
     assert engine.runner.graphs is None   # cuda_graphs is on by default, and ignored on a CPU
     batch, layout = next_decode_layout(engine, [
         Request(f"g{i}", prompt_token_ids=[rng.randrange(100, 49000) for _ in range(n)],
-                params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for i, n in enumerate((5, 19, 33))])
+                params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        for i, n in enumerate((5, 19, 33))])
     runner = engine.runner
     kv = runner.kv_cache
     graphs = DecodeGraphs(engine.model, 4, engine.max_model_len, engine.block_size, kv.pad_block, CPU)

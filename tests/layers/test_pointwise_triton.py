@@ -74,7 +74,8 @@ def test_rotary_write_kv_equals_rotating_then_writing(dtype, heads):
     got_cache = LayerCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
 
     heads_view = qkv.reshape(tokens, -1, head_dim)
-    rotated = apply_rotary(heads_view[:, :num_heads + num_kv_heads], torch.polar(torch.ones_like(angles), angles)[:, None])
+    turns = torch.polar(torch.ones_like(angles), angles)[:, None]
+    rotated = apply_rotary(heads_view[:, :num_heads + num_kv_heads], turns)
     v = heads_view[:, num_heads + num_kv_heads:]
     meta = VarlenMetadata(slot_mapping=slots, cu_seq_q=None, cu_seq_k=None, seqused_k=None, block_table=None,
                           max_q=1, max_k=1)

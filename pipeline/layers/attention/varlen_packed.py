@@ -46,6 +46,13 @@ def key_slots(block_table: torch.Tensor, seqused_k: torch.Tensor, cu_seq_k: torc
     return block_table.long()[owner, position // block_size] * block_size + position % block_size
 
 
+def with_key_slots(meta: VarlenMetadata, total_keys: int, block_size: int) -> PackedVarlenMetadata:
+    """meta and the cache slot of every key its step gathers (total_keys: the sum of seqused_k, a host int)."""
+    slots = key_slots(meta.block_table, meta.seqused_k, meta.cu_seq_k, total_keys, block_size)
+    return PackedVarlenMetadata(meta.slot_mapping, meta.cu_seq_q, meta.cu_seq_k, meta.seqused_k, meta.block_table,
+                                meta.max_q, meta.max_k, slots)
+
+
 def triton_paged_decode():
     """The Triton paged decode kernel, or None where Triton does not import."""
     try:
@@ -80,10 +87,7 @@ class PackedVarlenBackend(ReferenceVarlenBackend):
         meta = super().build_metadata(layout, num_kv_heads, to_device)
         if self._reads_pages(meta):
             return meta
-        slots = key_slots(meta.block_table, meta.seqused_k, meta.cu_seq_k, int(layout.context_lens.sum()),
-                          layout.block_size)
-        return PackedVarlenMetadata(meta.slot_mapping, meta.cu_seq_q, meta.cu_seq_k, meta.seqused_k,
-                                    meta.block_table, meta.max_q, meta.max_k, slots)
+        return with_key_slots(meta, int(layout.context_lens.sum()), layout.block_size)
 
     def forward(self, q, k, v, cache: LayerCache, meta: VarlenMetadata, scale):
         if self._reads_pages(meta):
