@@ -136,7 +136,7 @@ class BlockManager:
         within each layer every new token's keys and values are written to the cache
         before any attention reads it (models/llama.py), so requests that arrive together
         compute a shared prefix once."""
-        needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached_block_ids)
         shared = self._shared_write_block(seq)
         # Most decodes write into a block the sequence already holds alone: nothing to take.
         if (needed > 0 or shared is not None or cached_block_ids) and \
@@ -146,7 +146,9 @@ class BlockManager:
             # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet
             # the sequence's, and a pending token's id is not known yet (overlapped steps):
             # a block is findable only once the host knows it full of real tokens.
-            self._cache_full_blocks(seq, min(num_tokens, seq.num_known_tokens) // self.block_size)
+            num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
+            if num_full > seq.num_registered_blocks:   # once in block_size decodes
+                self._cache_full_blocks(seq, num_full)
         return True
 
     def _take_blocks(self, seq: Sequence, needed: int, cached_block_ids: list[int], shared: int | None) -> bool:

@@ -308,13 +308,16 @@ class Engine:
         for seq, tokens in zip(sampling, new_tokens):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if any(self._append_token(seq, token) for token in tokens):   # stops at the first that ends it
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-                finished.append(_output_of(seq, logprobs=self._logprobs_of(seq),
-                                           prompt_logprobs=self._prompt_logprobs_of(seq)))
-            elif seq.draft_token_ids:
-                self.scheduler.discard_rejected(seq)
+            for token in tokens:
+                if self._append_token(seq, token):   # stops at the first that ends it
+                    seq.finish_time = now
+                    self.scheduler.finish(seq)
+                    finished.append(_output_of(seq, logprobs=self._logprobs_of(seq),
+                                               prompt_logprobs=self._prompt_logprobs_of(seq)))
+                    break
+            else:
+                if seq.draft_token_ids:
+                    self.scheduler.discard_rejected(seq)
         return finished
 
     def _all_overlap(self) -> bool:
@@ -490,7 +493,8 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; returns True when the sequence is finished."""
-        seq.output_token_ids.append(token)
+        output = seq.output_token_ids
+        output.append(token)
         params = seq.params
         matcher = seq.matcher
         if matcher is not None:
@@ -504,7 +508,8 @@ class Engine:
             return True  # the text is already cut before the stop string
         elif matcher is not None and matcher.is_stopped():   # the grammar allows nothing more
             seq.finish_reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (len(output) >= params.max_tokens
+              or len(seq.prompt_token_ids) + len(output) >= self.scheduler.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         else:
             return False

@@ -27,6 +27,7 @@ sampled tokens, still on the device, and fills those input rows from them before
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,10 +98,10 @@ class ModelRunner:
         positions whose logprobs are asked for (Sequence.wants_prompt_logits).
         previous_tokens: the tokens the step in flight sampled, on the device, which its
         sequences' pending rows take (overlapped steps)."""
-        order = sorted(range(len(batch.seqs)),
-                       key=lambda i: not (batch.num_new_tokens[i] == 1 or batch.seqs[i].draft_token_ids))
-        seqs = [batch.seqs[i] for i in order]
-        num_new = [batch.num_new_tokens[i] for i in order]
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        if max(num_new) > 1:   # decodes first (a plain decode step is in order already)
+            order = sorted(range(len(seqs)), key=lambda i: not (num_new[i] == 1 or seqs[i].draft_token_ids))
+            seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
         layout = self._prepare(seqs, num_new)
         pending = self._pending_inputs(seqs, num_new, previous_tokens)
         sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n >= s.num_tokens and s.pooling is None]
@@ -157,32 +158,42 @@ class ModelRunner:
                              previous_tokens)
 
     def _prepare(self, seqs: list[Sequence], num_new: list[int]) -> StepLayout:
+        # Per sequence only what numpy cannot do: a decode step at 256 sequences spends
+        # its host time in loops like this one (benchmarks/host_step.py --stub-model).
         bs = self.block_size
         input_ids: list[int] = []
         starts, tables, sample_rows = [], [], []
         num_decode = 0
         for seq, n in zip(seqs, num_new):
             start = seq.num_computed_tokens
-            if seq.draft_token_ids or n == 1:
+            prompt, drafts = seq.prompt_token_ids, seq.draft_token_ids
+            num_prompt = len(prompt)
+            num_tokens = num_prompt + len(seq.output_token_ids)
+            if drafts or n == 1:
                 num_decode += 1
-            if start + n >= seq.num_tokens and seq.pooling is None:
-                if seq.draft_token_ids:
+            if start + n >= num_tokens and seq.pooling is None:
+                if drafts:
                     sample_rows.extend(range(len(input_ids), len(input_ids) + n))
                 else:
                     sample_rows.append(len(input_ids) + n - 1)
-            input_ids.extend(seq.token_ids(start, min(start + n, seq.num_tokens)))
-            input_ids.extend(seq.draft_token_ids)   # scheduled only with the last real token
+            if n == 1 and not drafts:   # a decode: its one token
+                input_ids.append(prompt[start] if start < num_prompt else seq.output_token_ids[start - num_prompt])
+            else:
+                input_ids.extend(seq.token_ids(start, min(start + n, num_tokens)))
+                input_ids.extend(drafts)   # scheduled only with the last real token
             starts.append(start)
             tables.append(seq.block_table)
         num_seqs = len(seqs)
         query_lens = np.array(num_new, dtype=np.int32)
         context_lens = np.array(starts, dtype=np.int32) + query_lens
-        # Block tables, padded with the pad block: only the blocks each sequence reaches this step.
+        # Block tables, padded with the pad block: only the blocks each sequence reaches this
+        # step, filled in one assignment (a row at a time costs a conversion per row).
         used = -(-context_lens // bs)
         width = int(used.max())
         block_tables = np.full((num_seqs, width), self.kv_cache.pad_block, dtype=np.int32)
-        for row, (table, n_blocks) in enumerate(zip(tables, used.tolist())):
-            block_tables[row, :n_blocks] = table[:n_blocks]
+        reached = np.fromiter(itertools.chain.from_iterable(map(_head, tables, used.tolist())),
+                              dtype=np.int32, count=int(used.sum()))
+        block_tables[np.arange(width) < used[:, None]] = reached
         # Every token's position and cache slot, from its sequence's row.
         tokens = len(input_ids)
         owner = np.repeat(np.arange(num_seqs), query_lens)
@@ -194,6 +205,10 @@ class ModelRunner:
                           block_tables=block_tables, num_decode_seqs=num_decode,
                           sample_rows=np.array(sample_rows, dtype=np.int64), block_size=bs,
                           pad_block=self.kv_cache.pad_block)
+
+
+def _head(table: list[int], count: int) -> list[int]:
+    return table[:count]
 
 
 def _prompt_rows(seqs: list[Sequence], num_new: list[int]) -> tuple[np.ndarray, tuple]:

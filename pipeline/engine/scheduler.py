@@ -83,6 +83,7 @@ class Scheduler:
         preempted = False
 
         queue = deque(self.running)
+        try_allocate = self.block_manager.try_allocate
         while queue and budget > 0:
             seq = queue.popleft()
             if seq.num_pending_tokens and seq.num_output_tokens >= seq.params.max_tokens:
@@ -91,7 +92,7 @@ class Scheduler:
             if seq.draft_token_ids:
                 del seq.draft_token_ids[max(0, min(budget - 1, self.max_model_len - seq.num_tokens)):]
                 n += len(seq.draft_token_ids)
-            while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
+            while not try_allocate(seq, seq.num_computed_tokens + n):
                 if seq.draft_token_ids:   # drafts are optional: drop them before preempting
                     n -= len(seq.draft_token_ids)
                     seq.draft_token_ids = []

@@ -158,7 +158,10 @@ class Sequence:
 
     def add_pending(self, count: int = 1) -> None:
         """Hold places for `count` output tokens sampled on the device (overlapped steps)."""
-        self.output_token_ids.extend([PENDING_TOKEN] * count)
+        if count == 1:   # the common case, once per sequence and step
+            self.output_token_ids.append(PENDING_TOKEN)
+        else:
+            self.output_token_ids.extend([PENDING_TOKEN] * count)
         self.num_pending_tokens += count
 
     def drop_pending(self) -> int:
@@ -189,4 +192,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
