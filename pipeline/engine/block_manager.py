@@ -25,6 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
+from pipeline.engine.block_table_rows import BlockTableRows
 from pipeline.engine.sequence import Sequence
 
 
@@ -57,6 +58,7 @@ class BlockManager:
         self.cached_block_ids: dict[bytes, int] = {}                  # hash -> block id
         self.peak_used_blocks = 0   # most blocks held by sequences at once (reset_peak())
         self.pending_copies: list[tuple[int, int]] = []   # (source, destination) block ids, copy on write
+        self.table_rows = BlockTableRows()   # every holder's block table as an array row, for the model runner
 
     # ---- state ------------------------------------------------------------------------
 
@@ -157,6 +159,7 @@ class BlockManager:
         reused_free = sum(b in self.cached_free_block_ids for b in cached_block_ids)
         if needed + (shared is not None) > self.num_free_blocks - reused_free:
             return False
+        changed = len(seq.block_table) if shared is None else shared   # the first entry to mirror
         if shared is not None:   # copy on write: the others keep the original
             source = seq.block_table[shared]
             self.blocks[source].ref_count -= 1
@@ -170,6 +173,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
+        self.table_rows.write(seq, changed)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return True
 
@@ -178,6 +182,7 @@ class BlockManager:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
+        self.table_rows.write(child)
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
 
@@ -210,6 +215,7 @@ class BlockManager:
                 else:
                     self.free_block_ids.append(block_id)
         seq.block_table.clear()
+        self.table_rows.release(seq)
         seq.num_registered_blocks = 0
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:

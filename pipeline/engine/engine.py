@@ -124,6 +124,7 @@ class Engine:
                                    max_num_batched_tokens=memory_budget.max_num_batched_tokens(config, self.device),
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.model, kv_cache, self.device, backend)
+        self.runner.table_rows = self.block_manager.table_rows
         if config.cuda_graphs and self.device.type == "cuda" and backend.supports_cuda_graphs:
             from pipeline.engine.cuda_graphs import capture_decode_graphs
             self.runner.graphs = capture_decode_graphs(self.model, self.max_num_seqs, self.scheduler.max_model_len,

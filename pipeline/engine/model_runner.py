@@ -81,6 +81,7 @@ class ModelRunner:
         self.to_device = HostToDevice(device)
         self.graphs = None   # cuda_graphs.DecodeGraphs, once captured (Engine)
         self.pooler = None   # layers.pooler.Pooler, once an embedding request comes (Engine)
+        self.table_rows = None   # the block manager's BlockTableRows (Engine); else tables from the lists
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.backend = backend
             layer.self_attn.cache = kv_cache.layer(i)
@@ -162,7 +163,7 @@ class ModelRunner:
         # its host time in loops like this one (benchmarks/host_step.py --stub-model).
         bs = self.block_size
         input_ids: list[int] = []
-        starts, tables, sample_rows = [], [], []
+        starts, rows, sample_rows = [], [], []
         num_decode = 0
         for seq, n in zip(seqs, num_new):
             start = seq.num_computed_tokens
@@ -182,18 +183,21 @@ class ModelRunner:
                 input_ids.extend(seq.token_ids(start, min(start + n, num_tokens)))
                 input_ids.extend(drafts)   # scheduled only with the last real token
             starts.append(start)
-            tables.append(seq.block_table)
+            rows.append(seq.table_row)
         num_seqs = len(seqs)
         query_lens = np.array(num_new, dtype=np.int32)
         context_lens = np.array(starts, dtype=np.int32) + query_lens
-        # Block tables, padded with the pad block: only the blocks each sequence reaches this
-        # step, filled in one assignment (a row at a time costs a conversion per row).
+        # Block tables, padded with the pad block: only the blocks each sequence reaches this step.
         used = -(-context_lens // bs)
-        width = int(used.max())
-        block_tables = np.full((num_seqs, width), self.kv_cache.pad_block, dtype=np.int32)
-        reached = np.fromiter(itertools.chain.from_iterable(map(_head, tables, used.tolist())),
-                              dtype=np.int32, count=int(used.sum()))
-        block_tables[np.arange(width) < used[:, None]] = reached
+        if self.table_rows is not None and None not in rows:
+            block_tables = self.table_rows.gather(rows, used, self.kv_cache.pad_block)
+        else:   # sequences whose tables no block manager keeps (made by hand): in one assignment
+            width = int(used.max())
+            block_tables = np.full((num_seqs, width), self.kv_cache.pad_block, dtype=np.int32)
+            reached = np.fromiter(itertools.chain.from_iterable(map(_head, (s.block_table for s in seqs),
+                                                                    used.tolist())),
+                                  dtype=np.int32, count=int(used.sum()))
+            block_tables[np.arange(width) < used[:, None]] = reached
         # Every token's position and cache slot, from its sequence's row.
         tokens = len(input_ids)
         owner = np.repeat(np.arange(num_seqs), query_lens)

@@ -55,6 +55,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.table_row: int | None = None   # its row in the block manager's BlockTableRows, while it holds blocks
         # Prefix caching (block_manager): hashes of the full blocks of its tokens, and how
         # many of its leading blocks are already registered in the cache.
         self.block_hashes: list[bytes] = []

@@ -1,9 +1,12 @@
 """BlockManager: torch-free bookkeeping of the paged KV cache's blocks, and the prefix cache."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pipeline.engine.block_manager import BlockManager, block_hash
+from pipeline.engine.block_table_rows import BlockTableRows
 from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.sampling_params import SamplingParams
 from pipeline.engine.sequence import Sequence
@@ -36,6 +39,15 @@ def check_accounting(bm: BlockManager, holders: list[Sequence]) -> None:
     for h, b in bm.cached_block_ids.items():
         assert bm.blocks[b].hash == h
     assert all(bm.blocks[b].hash is None for b in free)
+    # The model runner's array rows mirror every holder's table, one row each.
+    for seq in holders:
+        if seq.block_table:
+            assert bm.table_rows.array[seq.table_row, :len(seq.block_table)].tolist() == seq.block_table
+        else:
+            assert seq.table_row is None
+    held_rows = [seq.table_row for seq in holders if seq.block_table]
+    assert len(set(held_rows)) == len(held_rows)
+    assert sorted(held_rows + bm.table_rows.free_rows) == list(range(len(bm.table_rows.array))), "rows leaked"
 
 
 # ---- plain allocation ---------------------------------------------------------------------
@@ -275,3 +287,52 @@ def test_a_copy_on_write_that_finds_no_free_block_changes_nothing():
     assert not bm.try_allocate(child, 7)   # the pool is full: the caller preempts
     assert child.block_table == parent.block_table and bm.take_copies() == []
     check_accounting(bm, [parent, child])
+
+
+def test_table_rows_follow_every_change_to_the_block_tables():
+    """Random admissions, decodes, forks (copy on write), truncations and frees, past the
+    rows' and widths' first sizes: after each, check_accounting compares every holder's
+    array row with its table."""
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=400, block_size=4, enable_prefix_caching=True)
+    bm.table_rows = BlockTableRows(rows=2, width=3)
+    holders: list[Sequence] = []
+    for step in range(600):
+        op = rng.random()
+        if op < 0.25 or not holders:   # admit a prompt, a common prefix half the time
+            ids = ([7] * 8 if rng.random() < 0.5 else []) + [rng.randrange(100, 200) for _ in range(rng.randrange(1, 30))]
+            seq = make_seq(f"s{step}", ids=ids)
+            cached = bm.find_cached_prefix(seq)
+            if bm.try_allocate(seq, seq.num_tokens, cached):
+                seq.num_computed_tokens = seq.num_tokens
+                holders.append(seq)
+        elif op < 0.6:   # decode a few tokens
+            seq = rng.choice(holders)
+            for _ in range(rng.randrange(1, 9)):
+                seq.output_token_ids.append(rng.randrange(100, 200))
+                if not bm.try_allocate(seq, seq.num_tokens):
+                    seq.output_token_ids.pop()
+                    break
+                seq.num_computed_tokens = seq.num_tokens
+        elif op < 0.75:   # fork: the child shares every block, then writes (copy on write)
+            parent = rng.choice(holders)
+            child = make_seq(parent.request_id, ids=parent.prompt_token_ids)
+            child.output_token_ids = list(parent.output_token_ids)
+            bm.share(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            holders.append(child)
+            child.output_token_ids.append(1)
+            if bm.try_allocate(child, child.num_tokens):
+                child.num_computed_tokens = child.num_tokens
+            else:
+                child.output_token_ids.pop()
+        elif op < 0.85:   # slots for drafts, then the rejected ones' dropped
+            seq = rng.choice(holders)
+            k = rng.randrange(1, 9)
+            if bm.try_allocate(seq, seq.num_tokens + k):
+                bm.truncate(seq, seq.num_tokens + rng.randrange(0, k))
+        else:   # finished or preempted
+            seq = holders.pop(rng.randrange(len(holders)))
+            bm.free(seq)
+        check_accounting(bm, holders)
+    assert bm.table_rows.array.shape[0] > 2 and bm.table_rows.array.shape[1] > 3

@@ -20,6 +20,7 @@ from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
 from pipeline.layers.attention import HostToDevice, LayerCache, select
 from pipeline.layers.attention.cpu import CpuBackend
 from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenBackend
+from pipeline.engine.block_table_rows import BlockTableRows
 from pipeline.engine.cuda_graphs import DecodeGraphs, buckets, capture_decode_graphs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
@@ -46,6 +47,26 @@ def test_varlen_metadata_of_a_mixed_batch_matches_hand_computed_values():
     assert layout.sample_rows.tolist() == [0, 1, 2, 3, 8]
     assert layout.num_decode_seqs == 2 and not layout.is_plain_decode
     assert runner.to_device.pinned == {}   # a CPU never stages through pinned memory
+
+
+def test_block_tables_from_the_block_managers_rows_equal_those_from_the_lists():
+    """An engine's runner gathers the step's tables from BlockTableRows; stale entries past a
+    table's end (a truncated or regrown table's) never show."""
+    by_lists, _ = runner_for(ReferenceVarlenBackend())
+    by_rows, _ = runner_for(ReferenceVarlenBackend())
+    by_rows.table_rows = rows = BlockTableRows(rows=2, width=2)   # grows on the way
+    seqs, num_new = hand_made_batch()
+    for s in reversed(seqs):
+        table = s.block_table
+        s.block_table = table + [NUM_BLOCKS - 1] * 3   # stale entries, as a truncated table leaves
+        rows.write(s)
+        s.block_table = table
+    expected, got = by_lists._prepare(seqs, num_new), by_rows._prepare(seqs, num_new)
+    for field in ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables",
+                  "sample_rows"):
+        assert np.array_equal(getattr(got, field), getattr(expected, field)), field
+    assert got.block_tables.dtype == np.int32
+    assert sorted(s.table_row for s in seqs) == [0, 1, 2, 3] and rows.array.shape[1] >= 8
 
 
 def test_cpu_metadata_of_the_same_batch_splits_speculative_rows_into_decodes():
