@@ -2,6 +2,8 @@
 and `pipeline submit --dry-run`, which counts tokens before anything runs). No torch."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def prompt_token_ids(tokenizer, *, prompt: str | None = None, messages: list[dict] | None = None,
                      tools: list[dict] | None = None, token_ids: list[int] | None = None) -> list[int]:
@@ -14,3 +16,42 @@ def prompt_token_ids(tokenizer, *, prompt: str | None = None, messages: list[dic
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt)
+
+
+def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Exception]:
+    """prompt_token_ids of each request (anything with prompt, messages, tools and
+    prompt_token_ids), or the exception that fails it alone. The texts go to the tokenizer
+    in one call per kind (raw prompts, rendered chats): a fast tokenizer encodes a batch in
+    Rust threads with the GIL released, where one text at a time holds the GIL and pays the
+    wrapper's Python each time (a W1 prompt: 270 us alone, 230 in fours, 170 in sixteens
+    on two cores)."""
+    ids: list[list[int] | Exception | None] = [None] * len(requests)
+    raw, chats = [], []   # (index, text): encoded with special tokens, and without
+    for i, r in enumerate(requests):
+        if r.prompt_token_ids is not None:
+            ids[i] = list(r.prompt_token_ids)
+        elif r.messages is not None:
+            try:
+                chats.append((i, tokenizer.apply_chat_template(r.messages, tools=r.tools, tokenize=False,
+                                                               add_generation_prompt=True)))
+            except Exception as e:   # a bad template or message fails its request only
+                ids[i] = e
+        else:
+            raw.append((i, r.prompt))
+    for texts, special in ((raw, True), (chats, False)):
+        if not texts:
+            continue
+        try:
+            encoded = tokenizer([t for _, t in texts], add_special_tokens=special)["input_ids"]
+        except Exception:   # find the text that fails, one at a time
+            encoded = [_encoded_or_error(tokenizer, t, special) for _, t in texts]
+        for (i, _), e in zip(texts, encoded):
+            ids[i] = e
+    return ids
+
+
+def _encoded_or_error(tokenizer, text: str, special: bool) -> list[int] | Exception:
+    try:
+        return tokenizer.encode(text, add_special_tokens=special)
+    except Exception as e:
+        return e

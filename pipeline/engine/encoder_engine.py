@@ -24,8 +24,11 @@ from pipeline.layers.pooler import as_lists
 from pipeline.models.loader import load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.model_dir import context_length
 from pipeline.models.pooling_config import read_pooling_config
-from pipeline.prompts import prompt_token_ids
+from pipeline.prompts import prompt_token_ids, prompts_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
+
+
+_NO_CHATS = "an encoder embeds text (prompt) or token ids, not chat messages"
 
 
 class _Waiting:
@@ -83,18 +86,27 @@ class EncoderEngine:
 
     def tokenize(self, request: Request) -> list[int]:
         if request.messages is not None:
-            raise ValueError("an encoder embeds text (prompt) or token ids, not chat messages")
+            raise ValueError(_NO_CHATS)
         return prompt_token_ids(self.tokenizer, prompt=request.prompt, token_ids=request.prompt_token_ids)
 
     def add_request(self, request: Request) -> list[RequestOutput]:
+        return self.add_requests([request])[0]
+
+    def add_requests(self, requests: list[Request]) -> list[list[RequestOutput]]:
+        """As Engine.add_requests: each request's error results, [] for those queued; the
+        texts tokenized together (prompts_token_ids)."""
         arrival = time.perf_counter()
+        return [self._add(request, ids, arrival)
+                for request, ids in zip(requests, prompts_token_ids(self.tokenizer, requests))]
+
+    def _add(self, request: Request, ids: list[int] | Exception, arrival: float) -> list[RequestOutput]:
         if request.pooling is None:
             return [_output(request, arrival, error=f"{self.model_dir.name} is an encoder: it embeds and cannot "
                                                     "generate text")]
-        try:
-            ids = self.tokenize(request)
-        except Exception as e:
-            return [_output(request, arrival, error=f"tokenisation failed: {e}")]
+        if request.messages is not None:
+            return [_output(request, arrival, error=f"tokenisation failed: {_NO_CHATS}")]
+        if isinstance(ids, Exception):
+            return [_output(request, arrival, error=f"tokenisation failed: {ids}")]
         dims = request.pooling.dimensions
         error = (f"the input has {len(ids)} tokens; the model takes at most {self.max_model_len}"
                  if len(ids) > self.max_model_len else "an embedding request needs at least one token" if not ids

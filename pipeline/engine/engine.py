@@ -54,7 +54,7 @@ from pipeline.layers.smoothing import calibration_requests
 from pipeline.layers.sampler import Sampler
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
-from pipeline.prompts import prompt_token_ids
+from pipeline.prompts import prompt_token_ids, prompts_token_ids
 from pipeline.request import FinishReason, Request, RequestOutput
 
 
@@ -198,12 +198,22 @@ class Engine:
         """Queue a request for the next steps (its id must be unique among the unfinished
         ones) and return []; a request that can never run gets its error results at once
         instead, one per choice."""
+        return self.add_requests([request])[0]
+
+    def add_requests(self, requests: list[Request]) -> list[list[RequestOutput]]:
+        """add_request for each, their prompts tokenized together (prompts_token_ids):
+        each request's error results, [] for those queued."""
         arrival = time.perf_counter()
-        try:
-            prompt_ids = self.tokenize(request)
+        return [self._add(request, ids, arrival)
+                for request, ids in zip(requests, prompts_token_ids(self.tokenizer, requests))]
+
+    def _add(self, request: Request, prompt_ids: list[int] | Exception, arrival: float) -> list[RequestOutput]:
+        try:   # a bad template or tokenizer failure fails this request only
+            if isinstance(prompt_ids, Exception):
+                raise prompt_ids
             seq = Sequence(request.id, prompt_ids, request.params, self._detokenizer(prompt_ids, request.params),
                            arrival, timeout_s=request.timeout_s, pooling=request.pooling)
-        except Exception as e:  # a bad template or tokenizer failure fails this request only
+        except Exception as e:
             return _error_outputs(request, f"tokenisation failed: {e}", 0, arrival)
         if request.pooling is not None:
             error = self._embedding_error(seq)

@@ -210,10 +210,8 @@ class EngineLoop:
                 engine.abort(stream.live_ids)
                 stream.live_ids.clear()
             aborted = {s.key for s in aborts}
-            for stream, request in inbox:
-                if stream.key in aborted:
-                    continue
-                errors = engine.add_request(request)
+            inbox = [(stream, request) for stream, request in inbox if stream.key not in aborted]
+            for (stream, request), errors in zip(inbox, engine.add_requests([r for _, r in inbox])):
                 if not errors:
                     stream.live_ids[request.id] = request.params.n
                 for error in errors:

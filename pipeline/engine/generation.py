@@ -2,6 +2,7 @@
 lazily, step while anything is unfinished, yield each result as it finishes."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 from pipeline.request import Request, RequestOutput
@@ -23,11 +24,11 @@ def generate(engine, requests: Iterable[Request],
     try:
         while True:
             while not exhausted and len(scheduler.waiting) < engine.lookahead:
-                request = next(pending, None)
-                if request is None:
-                    exhausted = True
-                    break
-                yield from engine.add_request(request)   # the request's error results, if it cannot run
+                wanted = engine.lookahead - len(scheduler.waiting)
+                batch = list(itertools.islice(pending, wanted))   # tokenized together
+                exhausted = len(batch) < wanted
+                for errors in engine.add_requests(batch):
+                    yield from errors   # the results of a request that cannot run
             if scheduler.num_unfinished == 0:
                 if exhausted:
                     return

@@ -1,0 +1,63 @@
+"""pipeline/prompts.py: a batch of requests tokenized together gives each the ids it gets
+alone, and a request that cannot be tokenized fails alone; the engines add requests in
+batches (generate, EngineLoop) with the same outcome as one at a time."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from pipeline.models.loader import load_tokenizer
+from pipeline.prompts import prompt_token_ids, prompts_token_ids
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def mixed_requests() -> list[Request]:
+    return [Request("raw", prompt="The capital of France is"),
+            Request("chat", messages=[{"role": "user", "content": "Name a colour. é ☃"}]),
+            Request("ids", prompt_token_ids=[5, 6, 7]),
+            Request("tools", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[TOOL]),
+            Request("raw2", prompt="  leading spaces and\nnew lines\t"),
+            Request("empty", prompt="")]
+
+
+def alone(tokenizer, r: Request) -> list[int]:
+    return prompt_token_ids(tokenizer, prompt=r.prompt, messages=r.messages, tools=r.tools, token_ids=r.prompt_token_ids)
+
+
+@pytest.mark.parametrize("model", ["bundled", "minilm"])
+def test_a_batch_gives_each_request_the_ids_it_gets_alone(model, bundled_model_dir, minilm_dir):
+    tokenizer = load_tokenizer(bundled_model_dir if model == "bundled" else minilm_dir)
+    requests = mixed_requests() if model == "bundled" else [r for r in mixed_requests() if r.messages is None]
+    together = prompts_token_ids(tokenizer, requests)
+    assert together == [alone(tokenizer, r) for r in requests]
+    assert prompts_token_ids(tokenizer, []) == []
+
+
+def test_a_request_that_cannot_be_tokenized_fails_alone(bundled_model_dir):
+    tokenizer = load_tokenizer(bundled_model_dir)
+    requests = [Request("ok", prompt="hello"), Request("bad", messages=[{"role": "user"}]),   # no content
+                Request("ok2", messages=[{"role": "user", "content": "hi"}])]
+    ids = prompts_token_ids(tokenizer, requests)
+    assert isinstance(ids[1], Exception)
+    assert ids[0] == alone(tokenizer, requests[0]) and ids[2] == alone(tokenizer, requests[2])
+
+
+def test_engine_adds_a_batch_as_it_adds_one_at_a_time(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_gib=0.05))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    requests = [Request("a", prompt="one two three", params=params),
+                Request("bad", messages=[{"role": "user"}], params=params),
+                Request("c", messages=[{"role": "user", "content": "four"}], params=params),
+                Request("long", prompt_token_ids=[9] * 100_000, params=params)]
+    errors = engine.add_requests(requests)
+    assert [len(e) for e in errors] == [0, 1, 0, 1]
+    assert errors[1][0].error.startswith("tokenisation failed") and "maximum model length" in errors[3][0].error
+    queued = {s.request_id: s.prompt_token_ids for s in engine.scheduler.waiting}
+    assert queued == {"a": engine.tokenize(requests[0]), "c": engine.tokenize(requests[2])}
+    together = {o.id: o.token_ids for o in engine.generate([])}   # runs what is queued
+    for r in (requests[0], requests[2]):
+        assert engine.add_request(r) == []
+    one_by_one = {o.id: o.token_ids for o in engine.generate([])}
+    assert together == one_by_one and set(together) == {"a", "c"}
