@@ -210,7 +210,7 @@ class Engine:
     def _add(self, request: Request, prompt_ids: list[int] | Exception, arrival: float) -> list[RequestOutput]:
         try:   # a bad template or tokenizer failure fails this request only
             if isinstance(prompt_ids, Exception):
-                raise prompt_ids
+                raise prompt_ids   # prompts_token_ids caught it for this request
             seq = Sequence(request.id, prompt_ids, request.params, self._detokenizer(prompt_ids, request.params),
                            arrival, timeout_s=request.timeout_s, pooling=request.pooling)
         except Exception as e:

@@ -27,7 +27,6 @@ sampled tokens, still on the device, and fills those input rows from them before
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,13 +190,10 @@ class ModelRunner:
         used = -(-context_lens // bs)
         if self.table_rows is not None and None not in rows:
             block_tables = self.table_rows.gather(rows, used, self.kv_cache.pad_block)
-        else:   # sequences whose tables no block manager keeps (made by hand): in one assignment
-            width = int(used.max())
-            block_tables = np.full((num_seqs, width), self.kv_cache.pad_block, dtype=np.int32)
-            reached = np.fromiter(itertools.chain.from_iterable(map(_head, (s.block_table for s in seqs),
-                                                                    used.tolist())),
-                                  dtype=np.int32, count=int(used.sum()))
-            block_tables[np.arange(width) < used[:, None]] = reached
+        else:   # sequences whose tables no block manager keeps (made by hand)
+            block_tables = np.full((num_seqs, int(used.max())), self.kv_cache.pad_block, dtype=np.int32)
+            for row, (seq, n_blocks) in enumerate(zip(seqs, used.tolist())):
+                block_tables[row, :n_blocks] = seq.block_table[:n_blocks]
         # Every token's position and cache slot, from its sequence's row.
         tokens = len(input_ids)
         owner = np.repeat(np.arange(num_seqs), query_lens)
@@ -209,10 +205,6 @@ class ModelRunner:
                           block_tables=block_tables, num_decode_seqs=num_decode,
                           sample_rows=np.array(sample_rows, dtype=np.int64), block_size=bs,
                           pad_block=self.kv_cache.pad_block)
-
-
-def _head(table: list[int], count: int) -> list[int]:
-    return table[:count]
 
 
 def _prompt_rows(seqs: list[Sequence], num_new: list[int]) -> tuple[np.ndarray, tuple]:
