@@ -3,28 +3,29 @@ and `pipeline submit --dry-run`, which counts tokens before anything runs). No t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 
 def prompt_token_ids(tokenizer, *, prompt: str | None = None, messages: list[dict] | None = None,
                      tools: list[dict] | None = None, token_ids: list[int] | None = None) -> list[int]:
-    """Token ids as given; chat messages through the tokenizer's chat template (with the
-    assistant's turn opened, tools given to it); a raw prompt encoded with the tokenizer's
-    special tokens (a BOS where the model has one)."""
-    if token_ids is not None:
-        return list(token_ids)
-    if messages is not None:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt)
+    """One request's ids (prompts_token_ids); raises what fails it."""
+    [ids] = prompts_token_ids(tokenizer, [SimpleNamespace(prompt=prompt, messages=messages, tools=tools,
+                                                          prompt_token_ids=token_ids)])
+    if isinstance(ids, Exception):
+        raise ids
+    return ids
 
 
 def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Exception]:
-    """prompt_token_ids of each request (anything with prompt, messages, tools and
-    prompt_token_ids), or the exception that fails it alone. The texts go to the tokenizer
-    in one call per kind (raw prompts, rendered chats): a fast tokenizer encodes a batch in
-    Rust threads with the GIL released, where one text at a time holds the GIL and pays the
-    wrapper's Python each time (a W1 prompt: 270 us alone, 230 in fours, 170 in sixteens
-    on two cores)."""
+    """Each request's ids (anything with prompt, messages, tools and prompt_token_ids), or
+    the exception that fails it alone: token ids as given; chat messages through the
+    tokenizer's chat template (with the assistant's turn opened, tools given to it); a raw
+    prompt encoded with the tokenizer's special tokens (a BOS where the model has one).
+
+    The texts go to the tokenizer in one call per kind (raw prompts, rendered chats): a
+    fast tokenizer encodes a batch in Rust threads with the GIL released, where one text at
+    a time holds the GIL and pays the wrapper's Python each time (a W1 prompt: 270 us
+    alone, 230 in fours, 170 in sixteens on two cores)."""
     ids: list[list[int] | Exception | None] = [None] * len(requests)
     raw, chats = [], []   # (index, text): encoded with special tokens, and without
     for i, r in enumerate(requests):

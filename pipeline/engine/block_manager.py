@@ -138,7 +138,7 @@ class BlockManager:
         within each layer every new token's keys and values are written to the cache
         before any attention reads it (models/llama.py), so requests that arrive together
         compute a shared prefix once."""
-        needed = -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached_block_ids)
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
         shared = self._shared_write_block(seq)
         # Most decodes write into a block the sequence already holds alone: nothing to take.
         if (needed > 0 or shared is not None or cached_block_ids) and \

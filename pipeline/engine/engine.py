@@ -519,7 +519,7 @@ class Engine:
             return True  # the text is already cut before the stop string
         elif matcher is not None and matcher.is_stopped():   # the grammar allows nothing more
             seq.finish_reason = FinishReason.STOP
-        elif (len(output) >= params.max_tokens
+        elif (len(output) >= params.max_tokens   # num_output_tokens, num_tokens: once per token, so no properties
               or len(seq.prompt_token_ids) + len(output) >= self.scheduler.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         else:

@@ -165,10 +165,7 @@ class ModelRunner:
         starts, rows, sample_rows = [], [], []
         num_decode = 0
         for seq, n in zip(seqs, num_new):
-            start = seq.num_computed_tokens
-            prompt, drafts = seq.prompt_token_ids, seq.draft_token_ids
-            num_prompt = len(prompt)
-            num_tokens = num_prompt + len(seq.output_token_ids)
+            start, num_tokens, drafts = seq.num_computed_tokens, seq.num_tokens, seq.draft_token_ids
             if drafts or n == 1:
                 num_decode += 1
             if start + n >= num_tokens and seq.pooling is None:
@@ -177,7 +174,7 @@ class ModelRunner:
                 else:
                     sample_rows.append(len(input_ids) + n - 1)
             if n == 1 and not drafts:   # a decode: its one token
-                input_ids.append(prompt[start] if start < num_prompt else seq.output_token_ids[start - num_prompt])
+                input_ids.append(seq.token_id(start))
             else:
                 input_ids.extend(seq.token_ids(start, min(start + n, num_tokens)))
                 input_ids.extend(drafts)   # scheduled only with the last real token

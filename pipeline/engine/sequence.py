@@ -159,10 +159,7 @@ class Sequence:
 
     def add_pending(self, count: int = 1) -> None:
         """Hold places for `count` output tokens sampled on the device (overlapped steps)."""
-        if count == 1:   # the common case, once per sequence and step
-            self.output_token_ids.append(PENDING_TOKEN)
-        else:
-            self.output_token_ids.extend([PENDING_TOKEN] * count)
+        self.output_token_ids.extend([PENDING_TOKEN] * count)
         self.num_pending_tokens += count
 
     def drop_pending(self) -> int:
@@ -176,6 +173,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def token_id(self, i: int) -> int:
+        """Token i of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole sequence."""

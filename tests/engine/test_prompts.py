@@ -23,7 +23,17 @@ def mixed_requests() -> list[Request]:
 
 
 def alone(tokenizer, r: Request) -> list[int]:
-    return prompt_token_ids(tokenizer, prompt=r.prompt, messages=r.messages, tools=r.tools, token_ids=r.prompt_token_ids)
+    """The request's ids from the tokenizer's one-text calls, and from prompt_token_ids (the same)."""
+    if r.prompt_token_ids is not None:
+        ids = list(r.prompt_token_ids)
+    elif r.messages is not None:
+        text = tokenizer.apply_chat_template(r.messages, tools=r.tools, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(r.prompt)
+    assert prompt_token_ids(tokenizer, prompt=r.prompt, messages=r.messages, tools=r.tools,
+                            token_ids=r.prompt_token_ids) == ids
+    return ids
 
 
 @pytest.mark.parametrize("model", ["bundled", "minilm"])
