@@ -1,5 +1,6 @@
 """Checking the fields of one input request, and the sampling settings' defaults and ranges
-(the fields that shape the answer, structured outputs, tools and logprobs: jobs.answer_fields).
+(the prompt and chat messages: jobs.input_fields; the fields that shape the answer,
+structured outputs, tools and logprobs: jobs.answer_fields).
 
 The ranges here are the ones a job's input must keep to (stricter than what the engine's
 SamplingParams accepts); the defaults are SamplingParams' own, so they have one source.
@@ -52,7 +53,13 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         problems.append(f"modalities: only [\"text\"] is supported, got {describe(modalities)}")
-    for k in sorted(body.keys() - _OPENAI_BODY_KEYS - chat_only - IGNORED_BODY_KEYS - {key}):
+    best_of, n = (body.get("best_of") if endpoint == COMPLETIONS_ENDPOINT else None), body.get("n")
+    if best_of is not None and (type(best_of) is not int or best_of != (1 if n is None else n)):
+        problems.append(f"best_of = {describe(best_of)} is not supported: only best_of equal to n "
+                        "(n answers, none picked among more)")
+    # A null is the field's default, as if left out (clients that serialise every field send them).
+    for k in sorted(k for k in body.keys() - _OPENAI_BODY_KEYS - chat_only - IGNORED_BODY_KEYS - {key}
+                    if body[k] is not None and not (k == "best_of" and best_of is not None)):
         hint = f" in a {endpoint} body (use {key})" if k in _OPENAI_INPUT_KEY.values() else ""
         problems.append(f"unsupported field {k!r}{hint}")
     if body.get(key) is None:
@@ -68,17 +75,6 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
             problems.append("give max_tokens or max_completion_tokens, not both")
         req["max_tokens"], labels["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
     return model, req, labels
-
-
-def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
-    """The prompt or messages of a request (presence is checked by the format-specific code)."""
-    out = {"prompt": None, "messages": None}
-    prompt, messages = req.get("prompt"), req.get("messages")
-    if prompt is not None:
-        out["prompt"] = check(_prompt, "prompt", prompt, max_chars, problems)
-    if messages is not None:
-        out["messages"] = check(_messages, "messages", messages, max_chars, problems)
-    return out
 
 
 def sampling_settings(req: dict, labels: dict, problems: list[str]) -> dict:
@@ -166,7 +162,7 @@ def _stop(name, v, _):
     for i, s in enumerate(items):
         if not s:
             raise Bad(f"{name} strings must be non-empty (item {i} is empty)")
-        _encodable(f"{name}[{i}]", s)
+        encodable(f"{name}[{i}]", s)
     return list(items)
 
 
@@ -198,66 +194,16 @@ def _bool(name, v, _):
 _bool.type = bool
 
 
-
-
 def string(name, v, max_chars):
     if not isinstance(v, str) or not v:
         raise Bad(f"{name} must be a non-empty string, got {describe(v)}")
     if len(v) > max_chars:
         raise Bad(f"{name} has {len(v)} characters; the limit is {max_chars}")
-    _encodable(name, v)
+    encodable(name, v)
     return v
 
 
-
-def _prompt(name, v, max_chars):
-    if isinstance(v, list):
-        raise Bad(f"{name} must be a single string; a list of prompts or token ids is not supported "
-                   "(put each prompt on its own line)")
-    if isinstance(v, str) and not v:
-        raise Bad(f"{name} is empty")
-    return string(name, v, max_chars)
-
-
-def _messages(name, v, max_chars):
-    if not isinstance(v, list) or not v:
-        raise Bad(f"{name} must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(v)}")
-    out, total = [], 0
-    for i, m in enumerate(v):
-        # The usual message passes these tests at once; each failure is then named in full.
-        if not (type(m) is dict and m.keys() <= _MESSAGE_KEYS and m.get("role") in CHAT_ROLES
-                and type(m.get("content")) is str):
-            _bad_message(f"{name}[{i}]", m)
-        role, content = m["role"], m["content"]
-        if not content.isascii():   # only non-ASCII text can hold a lone surrogate
-            _encodable(f"{name}[{i}].content", content)
-        total += len(content)
-        out.append({"role": role, "content": content})
-    if total > max_chars:
-        raise Bad(f"{name} have {total} characters of content in all; the limit is {max_chars}")
-    return out
-
-
-_MESSAGE_KEYS = {"role", "content"}
-
-
-def _bad_message(where: str, m) -> None:
-    """Raise Bad naming what is wrong with a chat message."""
-    if not isinstance(m, dict):
-        raise Bad(f"{where} must be an object with role and content, got {describe(m)}")
-    extra = sorted(m.keys() - _MESSAGE_KEYS)
-    if extra:
-        raise Bad(f"{where} has unsupported field {extra[0]!r} (only role and content are allowed)")
-    role, content = m.get("role"), m.get("content")
-    if not isinstance(role, str) or not role:
-        raise Bad(f"{where}.role must be a non-empty string, got {describe(role)}")
-    if role not in CHAT_ROLES:
-        raise Bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {describe(role)}")
-    parts = " (lists of content parts are not supported)" if isinstance(content, list) else ""
-    raise Bad(f"{where}.content must be a string{parts}, got {describe(content)}")
-
-
-def _encodable(name: str, s: str) -> None:
+def encodable(name: str, s: str) -> None:
     """Reject lone surrogates (legal as JSON \\ud800 escapes, but not text a tokenizer can take)."""
     if s.isascii():
         return

@@ -26,10 +26,11 @@ from jobs.embedding_fields import (
     OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
 )
 from jobs.atomic import describe_file_type
+from jobs.input_fields import request_inputs
 from jobs.input_file import open_regular_file, read_lines
 from jobs.request_fields import (
     CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS,
-    TOOL_KEYS, Bad, check, describe, openai_body, request_inputs, request_timeout, sampling_settings, string, too_deep,
+    TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, string, too_deep,
 )
 from jobs.plain_lines import PlainLines
 from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line

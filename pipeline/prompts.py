@@ -19,7 +19,8 @@ def prompt_token_ids(tokenizer, *, prompt: str | None = None, messages: list[dic
 def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Exception]:
     """Each request's ids (anything with prompt, messages, tools and prompt_token_ids), or
     the exception that fails it alone: token ids as given; chat messages through the
-    tokenizer's chat template (with the assistant's turn opened, tools given to it); a raw
+    tokenizer's chat template (with the assistant's turn opened, tools given to it; an
+    assistant's tool_calls only where the template shows them); a raw
     prompt encoded with the tokenizer's special tokens (a BOS where the model has one).
 
     The texts go to the tokenizer in one call per kind (raw prompts, rendered chats): a
@@ -33,6 +34,7 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
             ids[i] = list(r.prompt_token_ids)
         elif r.messages is not None:
             try:
+                _check_template_shows_tool_calls(tokenizer, r.messages)
                 chats.append((i, tokenizer.apply_chat_template(r.messages, tools=r.tools, tokenize=False,
                                                                add_generation_prompt=True)))
             except Exception as e:   # a bad template or message fails its request only
@@ -56,3 +58,15 @@ def _encoded_or_error(tokenizer, text: str, special: bool) -> list[int] | Except
         return tokenizer.encode(text, add_special_tokens=special)
     except Exception as e:
         return e
+
+
+def _check_template_shows_tool_calls(tokenizer, messages: list[dict]) -> None:
+    """Raise when a message has tool calls that the chat template never reads: that turn
+    would reach the model empty, its calls silently gone (SmolLM2's template is such a one)."""
+    if not any("tool_calls" in m for m in messages):
+        return
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not any("tool_calls" in source for source in (template.values() if isinstance(template, dict) else [template])):
+        raise ValueError("this model's chat template does not show an assistant's tool_calls (the turn would "
+                         "reach the model without them): use a model whose template renders tool calls, or "
+                         "write the call into that message's content")

@@ -375,11 +375,15 @@ def test_a_file_of_bad_batch_lines_reports_every_line(data_root, db_url, tmp_pat
 def test_an_unchanged_openai_file_runs_under_its_served_model_names(runner, data_root, tmp_path, tiny_model_dir):
     """Every line names "gpt-4o-mini" (or an alias): with --served-model-name they run, and
     each output line reports the name its line used; the fields a batch cannot act on but
-    need not refuse (user, metadata, store, service_tier, stream false) are taken."""
-    ignored = {"user": "nightly", "metadata": {"team": "a"}, "store": False, "service_tier": "auto", "stream": False}
-    rows = [openai_line(f"c{i}", CHAT, {"model": name, "messages": CHATS["greet"], "temperature": 0,
+    need not refuse (user, metadata, store, service_tier, stream false, any field as null) are
+    taken, and content given as text parts is the same prompt as that text."""
+    ignored = {"user": "nightly", "metadata": {"team": "a"}, "store": False, "service_tier": "auto", "stream": False,
+               "audio": None}
+    as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CHATS["greet"]]
+    rows = [openai_line(f"c{i}", CHAT, {"model": name, "messages": messages, "temperature": 0,
                                         "max_tokens": MAX_TOKENS, **ignored})
-            for i, name in enumerate(["gpt-4o-mini", "gpt-4o-mini", "our-alias"])]
+            for i, (name, messages) in enumerate([("gpt-4o-mini", CHATS["greet"]), ("gpt-4o-mini", as_parts),
+                                                  ("our-alias", CHATS["greet"])])]
     src = write_jsonl(tmp_path / "batch.jsonl", rows)
     done = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *FAST])
     assert done.exit_code == 2 and "model 'gpt-4o-mini' is not the job's model" in done.stderr, done.output
@@ -390,8 +394,11 @@ def test_an_unchanged_openai_file_runs_under_its_served_model_names(runner, data
     out = tmp_path / "out.jsonl"
     assert runner.invoke(main, ["results", job_id, "--export", str(out), "--format", "openai"]).exit_code == 0
     lines = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
-    models = {cid: ChatCompletion.model_validate(line["response"]["body"]).model for cid, line in lines.items()}
-    assert models == {"c0": "gpt-4o-mini", "c1": "gpt-4o-mini", "c2": "our-alias"}
+    bodies = {cid: ChatCompletion.model_validate(line["response"]["body"]) for cid, line in lines.items()}
+    assert {cid: body.model for cid, body in bodies.items()} == {"c0": "gpt-4o-mini", "c1": "gpt-4o-mini",
+                                                                 "c2": "our-alias"}
+    assert bodies["c1"].choices[0].message.content == bodies["c0"].choices[0].message.content
+    assert bodies["c1"].usage.prompt_tokens == bodies["c0"].usage.prompt_tokens
     assert read_results(JobPaths(data_root, job_id).results_dir)["model"].to_pylist() == [
         "gpt-4o-mini", "gpt-4o-mini", "our-alias"]
 

@@ -71,3 +71,34 @@ def test_engine_adds_a_batch_as_it_adds_one_at_a_time(tiny_model_dir):
         assert engine.add_request(r) == []
     one_by_one = {o.id: o.token_ids for o in engine.generate([])}
     assert together == one_by_one and set(together) == {"a", "c"}
+
+
+# A chat template that shows names, tool calls (their arguments as JSON) and tool results.
+TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}>{{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]"
+                 "{% endfor %}{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}<assistant>")
+
+
+def test_an_openai_tool_conversation_reaches_the_template_as_it_expects(bundled_model_dir):
+    """Messages checked by the job's validation (jobs.input_fields) render with each call's
+    arguments as an object (a template's tojson of the OpenAI string would quote it again);
+    a template that never reads tool_calls fails the request instead of dropping the calls."""
+    from jobs.input_fields import request_inputs
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    problems = []
+    messages = request_inputs({"messages": [
+        {"role": "user", "name": "bob", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]}, 10_000, problems)["messages"]
+    assert problems == []
+    tokenizer = load_tokenizer(bundled_model_dir)
+    smollm_template, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
+    ids = prompt_token_ids(tokenizer, messages=messages)
+    assert tokenizer.decode(ids) == ('<user bob>Weather\nin Paris?<assistant>[get_weather {"city": "Paris"}]'
+                                     '<tool>22C(call_1)<assistant>')
+    tokenizer.chat_template = smollm_template   # SmolLM2's shows role and content only
+    with pytest.raises(ValueError, match="chat template does not show an assistant's tool_calls"):
+        prompt_token_ids(tokenizer, messages=messages)
+    without_calls = [m for m in messages if "tool_calls" not in m]
+    assert prompt_token_ids(tokenizer, messages=without_calls) == alone(tokenizer, Request("r", messages=without_calls))

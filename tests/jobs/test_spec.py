@@ -131,7 +131,7 @@ def test_every_bad_line_is_reported_with_its_number(tmp_path):
         {"messages": []},                                                   # 16
         {"messages": [{"role": "user"}]},                                   # 17
         {"messages": [{"role": "", "content": "x"}]},                       # 18
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},  # 19
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},  # 19
         {"prompt": "a", "colour": "blue"},                                  # 20
         {"prompt": 5},                                                      # 21
         {"prompt": "a", "max_tokens": "10"},                                # 22
@@ -150,7 +150,7 @@ def test_every_bad_line_is_reported_with_its_number(tmp_path):
         12: "repetition_penalty must be a number in (0, 10]", 13: "seed must be between",
         14: "stop strings must be non-empty", 15: "at most 16", 16: "non-empty list",
         17: "messages[0].content must be a string", 18: "messages[0].role must be a non-empty string",
-        19: "content parts are not supported", 20: "unknown field 'colour'",
+        19: "content[0] has type 'image_url'; only text parts are supported", 20: "unknown field 'colour'",
         21: "prompt must be a non-empty string", 22: "max_tokens must be an integer",
         23: "ignore_eos must be true or false", 24: "max_tokens must be an integer",
         25: "id must be a non-empty string", 26: "stop must be a string or a list of strings",

@@ -1,0 +1,158 @@
+"""Checking a request's input: a raw prompt, or chat messages put in the form chat templates
+take (transformers' `apply_chat_template`, as vLLM gives them).
+
+A message is what OpenAI's chat format allows of text:
+* `content` a string, or a list of text parts (`{"type": "text", "text": ...}`), joined with
+  a newline as vLLM joins them; an image, audio or file part is a bad line naming it, since
+  the models we serve read text only;
+* `name` (the participant's), kept for templates that show it;
+* an assistant's `tool_calls` (its content may then be null: it becomes ""), each call's
+  `arguments` JSON string parsed into the object templates expect (vLLM does the same);
+* a tool result's `tool_call_id`;
+* any other field only as null (an SDK's message object dumped whole: `refusal`, `audio`).
+A model whose chat template cannot show tool calls fails such a request alone, saying so
+(pipeline.prompts): its turn would otherwise reach the model empty.
+"""
+from __future__ import annotations
+
+from jobs.request_fields import CHAT_ROLES, DECODER, Bad, check, describe, encodable, string
+
+CONTENT_PARTS_JOINER = "\n"
+MAX_TOOL_CALLS = 128
+_KEYS = {"role", "content", "name"}
+_ROLE_KEYS = {"assistant": _KEYS | {"tool_calls"}, "tool": _KEYS | {"tool_call_id"}}
+
+
+def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
+    """The prompt or messages of a request (presence is checked by the format-specific code)."""
+    out = {"prompt": None, "messages": None}
+    prompt, messages = req.get("prompt"), req.get("messages")
+    if prompt is not None:
+        out["prompt"] = check(_prompt, "prompt", prompt, max_chars, problems)
+    if messages is not None:
+        out["messages"] = check(_messages, "messages", messages, max_chars, problems)
+    return out
+
+
+def _prompt(name, v, max_chars):
+    if isinstance(v, list):
+        raise Bad(f"{name} must be a single string; a list of prompts or token ids is not supported "
+                   "(put each prompt on its own line)")
+    if isinstance(v, str) and not v:
+        raise Bad(f"{name} is empty")
+    return string(name, v, max_chars)
+
+
+def _messages(name, v, max_chars):
+    if not isinstance(v, list) or not v:
+        raise Bad(f"{name} must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(v)}")
+    out, total = [], 0
+    for i, m in enumerate(v):
+        # The usual message (role and a string content) passes these tests at once.
+        if type(m) is dict and len(m) == 2 and m.get("role") in CHAT_ROLES and type(m.get("content")) is str:
+            content = m["content"]
+            if not content.isascii():   # only non-ASCII text can hold a lone surrogate
+                encodable(f"{name}[{i}].content", content)
+            message, size = {"role": m["role"], "content": content}, len(content)
+        else:
+            message, size = _message(f"{name}[{i}]", m, max_chars)
+        total += size
+        out.append(message)
+    if total > max_chars:
+        raise Bad(f"{name} have {total} characters of content in all; the limit is {max_chars}")
+    return out
+
+
+def _message(where: str, m, max_chars: int) -> tuple[dict, int]:
+    """Any other message, checked field by field: (its template form, its characters)."""
+    if not isinstance(m, dict):
+        raise Bad(f"{where} must be an object with role and content, got {describe(m)}")
+    role = m.get("role")
+    if not isinstance(role, str) or not role:
+        raise Bad(f"{where}.role must be a non-empty string, got {describe(role)}")
+    if role not in CHAT_ROLES:
+        raise Bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {describe(role)}")
+    allowed = _ROLE_KEYS.get(role, _KEYS)
+    extra = sorted(k for k in m.keys() - allowed if m[k] is not None)   # a null: as if left out
+    if extra:
+        raise Bad(f"{where} has unsupported field {extra[0]!r} (a {role} message takes "
+                  f"{', '.join(sorted(allowed))})")
+    message, size = {"role": role}, 0
+    tool_calls = m.get("tool_calls")
+    if tool_calls is not None:
+        message["tool_calls"], size = _tool_calls(f"{where}.tool_calls", tool_calls, max_chars)
+    content = m.get("content")
+    if content is None and tool_calls is not None:
+        content = ""   # a turn of tool calls only; templates concatenate content, so never None
+    message["content"] = _content(f"{where}.content", content)
+    size += len(message["content"])
+    if m.get("name") is not None:
+        message["name"] = string(f"{where}.name", m["name"], max_chars)
+        size += len(message["name"])
+    if m.get("tool_call_id") is not None:   # OpenAI's require it; a template may not read it
+        message["tool_call_id"] = string(f"{where}.tool_call_id", m["tool_call_id"], max_chars)
+    return message, size
+
+
+def _content(where: str, content) -> str:
+    """A message's text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        encodable(where, content)
+        return content
+    if not isinstance(content, list) or not content:
+        raise Bad(f"{where} must be a string or a non-empty list of text parts, got {describe(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            if isinstance(kind, str) and kind:
+                raise Bad(f"{where}[{j}] has type {kind!r}; only text parts are supported (the models "
+                          "served read text only)")
+            raise Bad(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}, got {describe(part)}")
+        extra = sorted(part.keys() - {"type", "text"})
+        if extra:
+            raise Bad(f"{where}[{j}] has unsupported field {extra[0]!r}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise Bad(f"{where}[{j}].text must be a string, got {describe(text)}")
+        encodable(f"{where}[{j}].text", text)
+        texts.append(text)
+    return CONTENT_PARTS_JOINER.join(texts)
+
+
+def _tool_calls(where: str, calls, max_chars: int) -> tuple[list[dict], int]:
+    """An assistant's tool calls, their arguments as objects: (calls, characters)."""
+    if not isinstance(calls, list) or not 1 <= len(calls) <= MAX_TOOL_CALLS:
+        raise Bad(f"{where} must be a list of 1 to {MAX_TOOL_CALLS} tool calls, got {describe(calls)}")
+    out, size = [], 0
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                or not isinstance(call.get("function"), dict):
+            raise Bad(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}, "
+                      f"got {describe(call)}")
+        extra = sorted(call.keys() - {"id", "type", "function"}) or sorted(call["function"].keys() - {"name", "arguments"})
+        if extra:
+            raise Bad(f"{at} has unsupported field {extra[0]!r}")
+        function = call["function"]
+        name = string(f"{at}.function.name", function.get("name"), max_chars)
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            raise Bad(f"{at}.function.arguments must be a string of JSON, got {describe(arguments)}")
+        out.append({"id": string(f"{at}.id", call.get("id"), max_chars), "type": "function",
+                    "function": {"name": name, "arguments": _arguments(f"{at}.function.arguments", arguments)}})
+        size += len(name) + len(arguments)
+    return out, size
+
+
+def _arguments(where: str, text: str) -> dict:
+    """A call's arguments as the object chat templates show (an empty string: no arguments)."""
+    if not text.strip():
+        return {}
+    try:
+        value = DECODER.decode(text)
+    except ValueError as e:
+        raise Bad(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise Bad(f"{where} must be a JSON object, got {describe(value)}")
+    return value
