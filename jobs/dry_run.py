@@ -38,6 +38,8 @@ class DryRun:
     max_prompt_tokens: int
     context_length: int
     over_context: int              # requests with a prompt (or an input) too long for the model
+    untokenizable: int             # requests whose prompt cannot be made (a chat template refuses it): they fail alone
+    first_untokenizable: str | None   # "line N: why", for the first of them
     reused: int                    # requests an earlier job's stored answer would answer
     output_token_ceiling: int      # the sum of max_tokens over every choice (0 for embeddings)
     engine_key: str
@@ -64,8 +66,8 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
     key = engine_key(engine_options)
     fingerprint = engine_fingerprint(engine_options)
     Session = _existing_ledger(database_url)
-    totals = dict(lines=0, rows=0, prompt_tokens=0, max_prompt_tokens=0, over_context=0, reused=0,
-                  output_token_ceiling=0)
+    totals = dict(lines=0, rows=0, prompt_tokens=0, max_prompt_tokens=0, over_context=0, untokenizable=0,
+                  first_untokenizable=None, reused=0, output_token_ceiling=0)
     computed_tokens = 0
     pending: list[tuple[str, int]] = []   # (key, tokens to compute) of requests awaiting their lookup
 
@@ -83,11 +85,16 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
     for line in scan:
         request = spec.RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)
-        lengths = _prompt_lengths(tokenizer, request) if request.is_embedding or not encoder else [0]
-        prompt = sum(lengths)
-        ceiling = 0 if request.is_embedding else request.max_tokens * request.n
         totals["lines"] += 1
         totals["rows"] += request.n
+        try:
+            lengths = _prompt_lengths(tokenizer, request) if request.is_embedding or not encoder else [0]
+        except Exception as e:   # the engine fails such a request alone, with this reason
+            totals["untokenizable"] += 1
+            totals["first_untokenizable"] = totals["first_untokenizable"] or f"line {request.line}: {e}"
+            continue
+        prompt = sum(lengths)
+        ceiling = 0 if request.is_embedding else request.max_tokens * request.n
         totals["prompt_tokens"] += prompt
         totals["max_prompt_tokens"] = max(totals["max_prompt_tokens"], *lengths)
         totals["over_context"] += max(lengths) > longest

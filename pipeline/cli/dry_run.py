@@ -32,6 +32,9 @@ def report_dry_run(settings: Settings, file, engine_options: dict, served_model_
     click.echo(f"  requests: {r.lines} ({r.rows} result rows)")
     click.echo(f"  prompt tokens: {r.prompt_tokens:,} in all, {r.max_prompt_tokens:,} at most")
     click.echo(f"  too long for the model ({r.context_length:,} tokens): {r.over_context}")
+    if r.untokenizable:
+        click.echo(f"  prompts that cannot be made (they would fail): {r.untokenizable}, the first on "
+                   f"{r.first_untokenizable}")
     click.echo(f"  answered from earlier jobs: {r.reused}" + ("" if reuse else " (--no-reuse)"))
     click.echo(f"  output tokens: at most {r.output_token_ceiling:,} (max_tokens over every choice)")
     if r.estimated_s is None:

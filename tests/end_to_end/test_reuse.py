@@ -152,6 +152,26 @@ def test_dry_run_counts_match_the_real_run_and_create_nothing(runner, data_root,
     assert refused.exit_code == 2 and "line 1: temperature must be a number between 0 and 2" in refused.output
 
 
+def test_dry_run_names_a_request_whose_prompt_cannot_be_made(runner, data_root, tmp_path, tiny_model_dir):
+    """A tool conversation on a model whose chat template never reads tool_calls (the bundled
+    tokenizer's): the dry run counts it and names its line instead of stopping with a traceback;
+    the run fails that request alone, for the same reason."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    lines = [greedy(1), {"id": "tool", "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "22C"}]}]
+    src = tmp_path / "tools.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = runner.invoke(main, ["submit", str(src), *FAST, "--model", str(tiny_model_dir), "--dry-run", "--json"])
+    assert done.exit_code == 0, done.output
+    figures = json.loads(done.stdout)
+    assert (figures["lines"], figures["untokenizable"]) == (2, 1)
+    assert figures["first_untokenizable"].startswith("line 2: this model's chat template does not show")
+    rows = rows_of(data_root, run(runner, tmp_path, lines, tiny_model_dir))
+    assert rows["q001"]["error"] is None
+    assert "chat template does not show an assistant's tool_calls" in rows["tool"]["error"]
+
+
 def test_two_jobs_of_the_same_lines_at_once_on_two_workers_each_answer_every_id_once(postgres_url, cluster_factory):
     c = cluster_factory(postgres_url)
     lines = [greedy(i, max_tokens=16) for i in range(24)]
