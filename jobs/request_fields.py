@@ -30,9 +30,14 @@ STRUCTURED_KEYS = ("response_format", "structured_outputs")
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 LOGPROB_KEYS = {CHAT_ENDPOINT: ("logprobs", "top_logprobs"), COMPLETIONS_ENDPOINT: ("logprobs", "echo")}
 # OpenAI body fields that change nothing about the answer in a batch: taken and ignored
-# (stream only when false, modalities only ["text"], both checked in openai_body).
+# (stream only when false, modalities only ["text"], both checked in openai_body). The
+# prompt-cache hints ask for what the engine's prefix cache does unasked; safety_identifier
+# is the newer `user`.
 IGNORED_BODY_KEYS = frozenset({"user", "metadata", "store", "service_tier", "stream", "stream_options",
-                               "modalities"})
+                               "modalities", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+                               "safety_identifier"})
+# Fields with another name here: a refusal says which.
+_RENAMED = {"functions": "tools", "function_call": "tool_choice"}
 
 
 MAX_CHOICES = 128   # n: answers to one request (its prompt computed once, its KV blocks shared)
@@ -61,6 +66,8 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     for k in sorted(k for k in body.keys() - _OPENAI_BODY_KEYS - chat_only - IGNORED_BODY_KEYS - {key}
                     if body[k] is not None and not (k == "best_of" and best_of is not None)):
         hint = f" in a {endpoint} body (use {key})" if k in _OPENAI_INPUT_KEY.values() else ""
+        if k in _RENAMED and endpoint == CHAT_ENDPOINT:
+            hint = f" (the legacy form of {_RENAMED[k]}: use tools and tool_choice)"
         problems.append(f"unsupported field {k!r}{hint}")
     if body.get(key) is None:
         problems.append(f"missing body.{key}")

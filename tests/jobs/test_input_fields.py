@@ -123,7 +123,8 @@ def test_body_fields_given_as_null_are_taken_as_left_out(tmp_path):
         batch_line("a", {"prompt": "Hi", "suffix": None, "best_of": 1, "echo": None}, url=COMPLETIONS),
         batch_line("b", {"prompt": "Hi", "best_of": 2, "n": 2}, url=COMPLETIONS),
         batch_line("c", {"messages": [{"role": "user", "content": "hi"}], "audio": None, "prediction": None,
-                         "reasoning_effort": None, "function_call": None}),
+                         "reasoning_effort": None, "function_call": None, "prompt_cache_key": "nightly",
+                         "prompt_cache_retention": "24h", "safety_identifier": "u-1"}),
     ]
     v = validate(write(tmp_path, lines[:2]), Limits())
     assert v.errors == [] and v.num_requests == 2
@@ -137,5 +138,12 @@ def test_body_fields_given_as_null_are_taken_as_left_out(tmp_path):
     assert "best_of = 3 is not supported: only best_of equal to n" in bad[1]
     assert "best_of = true is not supported" in bad[2]
     assert bad[3] == "unsupported field 'suffix'"
-    chat_best_of = batch_line("d", {"messages": [{"role": "user", "content": "hi"}], "best_of": 1})
-    assert errors_by_line(tmp_path, [chat_best_of]) == {1: "unsupported field 'best_of'"}   # not a chat field
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert errors_by_line(tmp_path, [
+        batch_line("d", {**chat, "best_of": 1}),   # not a chat field
+        batch_line("e", {**chat, "functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"}}),
+        batch_line("f", {**chat, "verbosity": "low"}),
+    ]) == {1: "unsupported field 'best_of'",
+           2: "unsupported field 'function_call' (the legacy form of tool_choice: use tools and tool_choice); "
+              "unsupported field 'functions' (the legacy form of tools: use tools and tool_choice)",
+           3: "unsupported field 'verbosity'"}
