@@ -131,10 +131,10 @@ def _tool_calls(where: str, calls, max_chars: int) -> tuple[list[dict], int]:
                 or not isinstance(call.get("function"), dict):
             raise Bad(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}, "
                       f"got {describe(call)}")
-        extra = sorted(call.keys() - {"id", "type", "function"}) or sorted(call["function"].keys() - {"name", "arguments"})
+        function = call["function"]
+        extra = sorted(call.keys() - {"id", "type", "function"}) or sorted(function.keys() - {"name", "arguments"})
         if extra:
             raise Bad(f"{at} has unsupported field {extra[0]!r}")
-        function = call["function"]
         name = string(f"{at}.function.name", function.get("name"), max_chars)
         arguments = function.get("arguments")
         if not isinstance(arguments, str):

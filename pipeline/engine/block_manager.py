@@ -138,18 +138,20 @@ class BlockManager:
         within each layer every new token's keys and values are written to the cache
         before any attention reads it (models/llama.py), so requests that arrive together
         compute a shared prefix once."""
-        needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
+        bs = self.block_size
         shared = self._shared_write_block(seq)
         # Most decodes write into a block the sequence already holds alone: nothing to take.
-        if (needed > 0 or shared is not None or cached_block_ids) and \
-                not self._take_blocks(seq, needed, cached_block_ids, shared):
-            return False
-        if self.enable_prefix_caching:
-            # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet
-            # the sequence's, and a pending token's id is not known yet (overlapped steps):
-            # a block is findable only once the host knows it full of real tokens.
-            num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
-            if num_full > seq.num_registered_blocks:   # once in block_size decodes
+        if cached_block_ids or num_tokens > len(seq.block_table) * bs or shared is not None:
+            needed = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_block_ids)
+            if not self._take_blocks(seq, needed, cached_block_ids, shared):
+                return False
+        # Slots past seq.num_tokens hold draft tokens (speculative decoding), not yet the
+        # sequence's, and a pending token's id is not known yet (overlapped steps): a block
+        # is findable only once the host knows it full of real tokens. (The first test is
+        # the cheap bound: true once in block_size decodes.)
+        if self.enable_prefix_caching and num_tokens // bs > seq.num_registered_blocks:
+            num_full = min(num_tokens, seq.num_known_tokens) // bs
+            if num_full > seq.num_registered_blocks:
                 self._cache_full_blocks(seq, num_full)
         return True
 

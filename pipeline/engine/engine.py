@@ -381,10 +381,10 @@ class Engine:
     def _resolve_pending(self, seq: Sequence, token: int) -> bool:
         """Put `token` in seq's oldest pending place; returns True when it finishes seq (the
         pending token after it, if the step in flight computes one, is then dropped)."""
-        later = seq.drop_pending() - 1
-        if self._append_token(seq, token):
+        num_output = seq.fill_pending(token)
+        if self._ends(seq, token, num_output):
+            seq.drop_pending()
             return True
-        seq.add_pending(later)
         return False
 
     def _retire_pooled(self, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -506,6 +506,11 @@ class Engine:
         """Record a sampled token; returns True when the sequence is finished."""
         output = seq.output_token_ids
         output.append(token)
+        return self._ends(seq, token, len(output))
+
+    def _ends(self, seq: Sequence, token: int, num_output: int) -> bool:
+        """Take seq's newest output token (its num_output-th, already in place): the grammar
+        and the detokenizer see it; returns True when it finishes the sequence."""
         params = seq.params
         matcher = seq.matcher
         if matcher is not None:
@@ -519,8 +524,7 @@ class Engine:
             return True  # the text is already cut before the stop string
         elif matcher is not None and matcher.is_stopped():   # the grammar allows nothing more
             seq.finish_reason = FinishReason.STOP
-        elif (len(output) >= params.max_tokens   # num_output_tokens, num_tokens: once per token, so no properties
-              or len(seq.prompt_token_ids) + len(output) >= self.scheduler.max_model_len):
+        elif num_output >= params.max_tokens or len(seq.prompt_token_ids) + num_output >= self.scheduler.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
         else:
             return False

@@ -162,6 +162,15 @@ class Sequence:
         self.output_token_ids.extend([PENDING_TOKEN] * count)
         self.num_pending_tokens += count
 
+    def fill_pending(self, token: int) -> int:
+        """Put a sampled token in the oldest pending place; returns how many output tokens the
+        host now has up to it."""
+        output = self.output_token_ids
+        self.num_pending_tokens -= 1
+        known = len(output) - self.num_pending_tokens
+        output[known - 1] = token
+        return known
+
     def drop_pending(self) -> int:
         """Forget the pending output tokens; returns how many there were."""
         count = self.num_pending_tokens
