@@ -15,10 +15,14 @@ A model whose chat template cannot show tool calls fails such a request alone, s
 """
 from __future__ import annotations
 
-from jobs.request_fields import CHAT_ROLES, DECODER, Bad, check, describe, encodable, string
+import json
+
+from jobs.request_fields import CHAT_ROLES, DECODER, Bad, check, describe, encodable, string, too_deep
+from jobs.validation import Limits
 
 CONTENT_PARTS_JOINER = "\n"
 MAX_TOOL_CALLS = 128
+MAX_ARGUMENTS_DEPTH = Limits().max_depth   # a call's arguments may nest as deep as a whole line
 _KEYS = {"role", "content", "name"}
 _ROLE_KEYS = {"assistant": _KEYS | {"tool_calls"}, "tool": _KEYS | {"tool_call_id"}}
 
@@ -151,8 +155,13 @@ def _arguments(where: str, text: str) -> dict:
         return {}
     try:
         value = DECODER.decode(text)
+    except RecursionError:   # the C scanner's own limit, far past ours
+        value = None
     except ValueError as e:
         raise Bad(f"{where} is not valid JSON ({e})") from None
+    if value is None or too_deep(value, MAX_ARGUMENTS_DEPTH):
+        raise Bad(f"{where} is nested too deeply (the limit is {MAX_ARGUMENTS_DEPTH} levels)")
     if not isinstance(value, dict):
         raise Bad(f"{where} must be a JSON object, got {describe(value)}")
+    encodable(where, json.dumps(value, ensure_ascii=False))   # a \ud800 escape decodes to a lone surrogate
     return value

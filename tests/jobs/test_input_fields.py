@@ -84,6 +84,10 @@ def test_messages_that_cannot_be_shown_as_text_are_refused_with_their_line(tmp_p
         chat({"role": "user", "content": "a", "name": 7}),                                                    # 13
         chat({"role": "user", "content": "a", "audio": {"id": "x"}}),                                         # 14
         chat({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}),                              # 15
+        chat({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f",
+                                                                        "arguments": "[" * 100_000}}]}),      # 16
+        chat({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f",
+                                                                        "arguments": "{\"a\": \"\\ud800\"}"}}]}),  # 17
     ]
     got = errors_by_line(tmp_path, [batch_line(f"x{i}", body) for i, body in enumerate(lines)])
     expected = {
@@ -102,6 +106,8 @@ def test_messages_that_cannot_be_shown_as_text_are_refused_with_their_line(tmp_p
         13: "messages[1].name must be a non-empty string, got 7",
         14: "messages[1] has unsupported field 'audio'",
         15: "messages[1].tool_calls[0] must be {\"id\", \"type\": \"function\"",
+        16: "messages[1].tool_calls[0].function.arguments is nested too deeply (the limit is 32 levels)",
+        17: "messages[1].tool_calls[0].function.arguments contains an unpaired surrogate",
     }
     assert sorted(got) == sorted(expected)
     for line, fragment in expected.items():
