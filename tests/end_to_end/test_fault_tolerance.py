@@ -384,7 +384,10 @@ def test_shards_of_one_job_and_of_two_jobs_share_one_worker(sqlite_url, cluster_
 
     c = cluster_factory(sqlite_url)
     c.start_worker()
-    a_rows = long_rows("a-short-", 4, 8) + long_rows("a-long-", 4, 2000)
+    # a's first shard is long enough to still run when its second starts: on an AMX Xeon the
+    # worker took the second 2.5 s after the first, which at 8 tokens a request had ended 8 ms
+    # before, at 200 tokens 0.26 s after.
+    a_rows = long_rows("a-short-", 4, 400) + long_rows("a-long-", 4, 2000)
     a = c.submit(a_rows, shard_size=4)
     c.wait_for("a's short shard to complete", lambda: c.shards(a)[0].status == "completed")
     b_rows = long_rows("b-", 4, 400)   # a fifth of a's long shard: caught running beside it
