@@ -19,7 +19,9 @@ def submit(Session, root, tmp_path, rows, options, shard_size=100):
 
 
 def long_requests(n):
-    return [{"id": f"long{i}", "prompt": "Go", "max_tokens": 400, "ignore_eos": True} for i in range(n)]
+    # Long enough to outlast a few cancel polls (shard_runner.CANCEL_POLL_S, 0.5 s): at 400
+    # tokens an AMX Xeon finished three of them before the poll after the cancel.
+    return [{"id": f"long{i}", "prompt": "Go", "max_tokens": 1600, "ignore_eos": True} for i in range(n)]
 
 
 def run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, n_long, then, **kwargs):
