@@ -86,7 +86,7 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
         request = spec.RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)
         totals["lines"] += 1
-        totals["rows"] += request.n
+        totals["rows"] += request.num_rows
         try:
             lengths = _prompt_lengths(tokenizer, request) if request.is_embedding or not encoder else [0]
         except Exception as e:   # the engine fails such a request alone, with this reason
@@ -94,7 +94,7 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
             totals["first_untokenizable"] = totals["first_untokenizable"] or f"line {request.line}: {e}"
             continue
         prompt = sum(lengths)
-        ceiling = 0 if request.is_embedding else request.max_tokens * request.n
+        ceiling = 0 if request.is_embedding else request.max_tokens * request.num_rows
         totals["prompt_tokens"] += prompt
         totals["max_prompt_tokens"] = max(totals["max_prompt_tokens"], *lengths)
         totals["over_context"] += max(lengths) > longest
@@ -117,11 +117,13 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
 
 
 def _prompt_lengths(tokenizer, request) -> list[int]:
-    """The tokens of each of a request's prompts: one, or an embedding request's inputs."""
+    """The tokens of each of a request's prompts: one, its list of prompts, or an embedding
+    request's inputs."""
     from pipeline.prompts import prompt_token_ids
-    if request.is_embedding:
+    items = request.input if request.is_embedding else request.prompts
+    if items is not None:
         return [len(item) if isinstance(item, list) else len(prompt_token_ids(tokenizer, prompt=item))
-                for item in request.input]
+                for item in items]
     return [len(prompt_token_ids(tokenizer, prompt=request.prompt, messages=request.messages, tools=request.tools))]
 
 

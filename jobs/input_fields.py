@@ -1,5 +1,6 @@
-"""Checking a request's input: a raw prompt, or chat messages put in the form chat templates
-take (transformers' `apply_chat_template`, as vLLM gives them).
+"""Checking a request's input: a raw prompt (or several, or token ids, as OpenAI's completions
+take them), or chat messages put in the form chat templates take (transformers'
+`apply_chat_template`, as vLLM gives them).
 
 A message is what OpenAI's chat format allows of text:
 * `content` a string, or a list of text parts (`{"type": "text", "text": ...}`), joined with
@@ -20,6 +21,8 @@ import json
 from jobs.request_fields import CHAT_ROLES, DECODER, Bad, check, describe, encodable, string, too_deep
 from jobs.validation import Limits
 
+MAX_ITEMS = 2048             # prompts or embedding inputs in one request (OpenAI's limit of inputs)
+MAX_TOKEN_ID = 2**31 - 1
 CONTENT_PARTS_JOINER = "\n"
 MAX_TOOL_CALLS = 128
 MAX_ARGUMENTS_DEPTH = Limits().max_depth   # a call's arguments may nest as deep as a whole line
@@ -28,10 +31,18 @@ _ROLE_KEYS = {"assistant": _KEYS | {"tool_calls"}, "tool": _KEYS | {"tool_call_i
 
 
 def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
-    """The prompt or messages of a request (presence is checked by the format-specific code)."""
-    out = {"prompt": None, "messages": None}
+    """The prompt, prompts or messages of a request (presence is checked by the format-specific
+    code). A list `prompt` (OpenAI completions': several texts, or token ids) becomes `prompts`,
+    unless it is one text."""
+    out = {"prompt": None, "messages": None, "prompts": None}
     prompt, messages = req.get("prompt"), req.get("messages")
-    if prompt is not None:
+    if isinstance(prompt, list):
+        prompts = check(texts_or_token_ids, "prompt", prompt, max_chars, problems)
+        if prompts is not None and len(prompts) == 1 and isinstance(prompts[0], str):
+            out["prompt"] = prompts[0]   # the same request as that text alone (its key too)
+        else:
+            out["prompts"] = prompts
+    elif prompt is not None:
         out["prompt"] = check(_prompt, "prompt", prompt, max_chars, problems)
     if messages is not None:
         out["messages"] = check(_messages, "messages", messages, max_chars, problems)
@@ -39,12 +50,41 @@ def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
 
 
 def _prompt(name, v, max_chars):
-    if isinstance(v, list):
-        raise Bad(f"{name} must be a single string; a list of prompts or token ids is not supported "
-                   "(put each prompt on its own line)")
     if isinstance(v, str) and not v:
         raise Bad(f"{name} is empty")
     return string(name, v, max_chars)
+
+
+def texts_or_token_ids(name, v, max_chars) -> list:
+    """One text, a list of texts, one list of token ids, or a list of such lists (OpenAI's
+    forms of completions' `prompt` and embeddings' `input`), as a list of texts or of
+    token-id lists."""
+    if isinstance(v, str):
+        return [string(name, v, max_chars)]
+    if not isinstance(v, list) or not v:
+        raise Bad(f"{name} must be a string, a list of strings or token ids, got {describe(v)}")
+    if len(v) > MAX_ITEMS:
+        raise Bad(f"{name} has {len(v)} items; at most {MAX_ITEMS} are allowed (split it over several lines)")
+    if all(type(x) is int for x in v):   # one item given as token ids
+        return [_token_ids(name, v)]
+    if all(isinstance(x, str) for x in v):
+        items = [string(f"{name}[{i}]", x, max_chars) for i, x in enumerate(v)]
+        total = sum(map(len, items))
+        if total > max_chars:
+            raise Bad(f"{name} has {total} characters in all; the limit is {max_chars}")
+        return items
+    if all(isinstance(x, list) for x in v):
+        return [_token_ids(f"{name}[{i}]", x) for i, x in enumerate(v)]
+    raise Bad(f"{name} must be all strings, all token ids or all lists of token ids, not a mix")
+
+
+def _token_ids(name, v):
+    if not v:
+        raise Bad(f"{name} is an empty list of token ids")
+    for i, t in enumerate(v):
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+            raise Bad(f"{name}[{i}] must be a token id (an integer >= 0), got {describe(t)}")
+    return list(v)
 
 
 def _messages(name, v, max_chars):

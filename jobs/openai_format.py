@@ -85,14 +85,19 @@ def _logprobs(entries: list[dict] | None, endpoint: str) -> dict | None:
 
 
 def _body(rows: list[dict], digest: str, *, endpoint: str, model: str, created: int) -> dict:
-    """The response body: the prompt counted once, the completion tokens of every choice."""
+    """The response body: each prompt counted once (a request's n choices share one; a list of
+    prompts has a first row each), the completion tokens of every choice."""
     if endpoint == EMBEDDINGS:
         return _embeddings_body(rows, model)
-    first = rows[0]
+    first_of: dict[int | None, dict] = {}   # prompt index (None: the one prompt) -> its first row
+    for row in rows:
+        first_of.setdefault(row.get("prompt_index"), row)
+    firsts = first_of.values()
+    prompt_tokens = sum(int(row["prompt_tokens"]) for row in firsts)
     completion_tokens = sum(int(r["output_tokens"]) for r in rows)
-    usage = {"prompt_tokens": int(first["prompt_tokens"]), "completion_tokens": completion_tokens,
-             "total_tokens": int(first["prompt_tokens"]) + completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": int(first.get("cached_tokens") or 0)}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": sum(int(row.get("cached_tokens") or 0) for row in firsts)}}
     choices = [_choice(row, digest, endpoint) for row in rows]
     if endpoint == CHAT:
         return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,

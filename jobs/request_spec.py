@@ -30,8 +30,11 @@ class RequestSpec:
     tools: list[dict] | None = None          # a chat request's tools, for its chat template
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
     logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
-    n: int = 1                               # result rows: answers wanted, or an embedding request's inputs
+    n: int = 1                               # answers wanted (to each prompt), or an embedding request's inputs
     echo: bool = False                       # completions: the answer's text starts with the prompt
+    # Completions given a list `prompt` (OpenAI's): its texts or token-id lists, n answers to
+    # each, result row `choice` = i * n + j as OpenAI numbers them; prompt is None.
+    prompts: list | None = None
     # An embedding request (jobs.embedding_fields): its texts or token-id lists, one vector
     # (result row, `choice` = its index) each; prompt and messages are None, n = len(input).
     input: list | None = None
@@ -42,6 +45,15 @@ class RequestSpec:
     @property
     def is_embedding(self) -> bool:
         return self.input is not None
+
+    @property
+    def num_rows(self) -> int:
+        """Its result rows: (id, choice) for choice in range(num_rows)."""
+        return self.n * len(self.prompts) if self.prompts is not None else self.n
+
+    def prompt_index(self, choice: int) -> int | None:
+        """Which of its prompts row `choice` answers (None: it has one prompt)."""
+        return None if self.prompts is None else choice // self.n
 
     def to_dict(self) -> dict:
         """The shard-file line of docs/contracts.md (request_line)."""
@@ -57,7 +69,7 @@ _values = attrgetter(*_SPEC_FIELDS)   # every field at once, in C
 # Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
 OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
-                    "n": 1, "echo": False, "input": None, "dimensions": None, "encoding_format": None,
+                    "n": 1, "echo": False, "prompts": None, "input": None, "dimensions": None, "encoding_format": None,
                     "key": None}
 
 

@@ -1,12 +1,14 @@
 """The one result row: its columns, every way a row is made, and the columns summed.
 
 A row is a plain dict with exactly RESULT_COLUMNS' fields (what pyarrow writes and
-readers get back), one per answer: a request with n choices has n rows, (id, choice) with
-choice 0 .. n - 1, and every such pair is in a job's results exactly once. It is made here only: from the engine's RequestOutput, for a request
-that failed before or instead of running (an error, an expired window, a shard given up),
-or for one a cancel stopped. A new per-request figure is a field of RequestOutput and a
-column here; if it is summed, also a name in SUMMED_COLUMNS (plus its ledger columns and
-their migration): the shard commit, the job's counts, the stats and the metrics read that list.
+readers get back), one per answer: a request with n choices has n rows (n for each of its
+prompts when it has a list: RequestSpec.num_rows), (id, choice) with choice 0 .. rows - 1,
+and every such pair is in a job's results exactly once. It is made here only: from the
+engine's RequestOutput, for a request that failed before or instead of running (an error, an
+expired window, a shard given up), or for one a cancel stopped. A new per-request figure is
+a field of RequestOutput and a column here; if it is summed, also a name in SUMMED_COLUMNS
+(plus its ledger columns and their migration): the shard commit, the job's counts, the stats
+and the metrics read that list.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ RESULT_COLUMNS = (
     ("logprobs", "token_logprobs"),  # per output token: token, logprob, bytes, top_logprobs (null: not asked)
     ("embedding", "vector"),       # an embedding request: the vector of input `choice` (null: generation)
     ("encoding_format", "string"),  # an embedding line's OpenAI encoding_format when not floats ("base64")
+    ("prompt_index", "int32"),     # completions with a list of prompts: which one this answers (else null)
     # Lineage: where the answer came from, so that a rerun can be audited.
     ("line", "int32"),             # the request's line in the job's input file
     ("request_key", "string"),     # its answer's identity (jobs.request_key; null: not deterministic)
@@ -60,14 +63,17 @@ def from_output(out: RequestOutput, shard: int, attempt: int, spec=None, *, work
     one (its output is the arguments); model, the name the line gave its model (OpenAI output
     reports it); with echo, the prompt before the answer's text (OpenAI completions' echo) and
     its tokens' logprobs before the answer's; its line and key. worker and engine: who computed it."""
-    echo = spec.prompt if spec is not None and spec.echo else None
+    prompt_index = spec.prompt_index(out.choice) if spec is not None else None
+    echo = None
+    if spec is not None and spec.echo:
+        echo = spec.prompt if prompt_index is None else spec.prompts[prompt_index]
     return {"id": out.id, "choice": out.choice, "output": (echo or "") + out.text, **{name: getattr(out, name) for name in SUMMED_COLUMNS},
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": getattr(spec, "tool_call", None),
             "model": getattr(spec, "model", None), "logprobs": _echoed(out) if echo is not None else out.logprobs,
             "embedding": out.embedding, "encoding_format": getattr(spec, "encoding_format", None),
-            **_lineage(spec), "engine": engine, "worker": worker, "reused_from": None}
+            "prompt_index": prompt_index, **_lineage(spec), "engine": engine, "worker": worker, "reused_from": None}
 
 
 def reused(row: dict, spec, shard: int, attempt: int, source_job: str) -> dict:
@@ -101,12 +107,13 @@ def cancelled_row(spec, waited_s: float, shard: int, attempt: int, choice: int =
 
 def error_rows(specs, error: str, shard: int, attempt: int) -> list[dict]:
     """An error row for every choice of every request (specs: jobs.spec.RequestSpec)."""
-    return [error_row(spec, error, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
+    return [error_row(spec, error, shard, attempt, choice) for spec in specs for choice in range(spec.num_rows)]
 
 
 def cancelled_rows(specs, waited_s: float, shard: int, attempt: int) -> list[dict]:
     """A cancelled row for every choice of every request."""
-    return [cancelled_row(spec, waited_s, shard, attempt, choice) for spec in specs for choice in range(spec.n)]
+    return [cancelled_row(spec, waited_s, shard, attempt, choice) for spec in specs
+            for choice in range(spec.num_rows)]
 
 
 def request_outcome(reasons: list[FinishReason]) -> FinishReason:
@@ -135,5 +142,5 @@ def _empty(spec, choice: int, reason: FinishReason, error: str | None, waited_s:
             "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
             "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None,
-            "logprobs": None, "embedding": None, "encoding_format": None, **_lineage(spec), "engine": None,
-            "worker": None, "reused_from": None}
+            "logprobs": None, "embedding": None, "encoding_format": None, "prompt_index": spec.prompt_index(choice),
+            **_lineage(spec), "engine": None, "worker": None, "reused_from": None}

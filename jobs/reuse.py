@@ -115,7 +115,7 @@ def _usable(root, specs, found: dict) -> dict[str, tuple[str, list[dict]]]:
     for spec in specs:
         for source, shard, rid in found.get(spec.key, ()):   # newest first
             rows = stored[source, shard].get(rid)
-            if rows is not None and len(rows) == spec.n:
+            if rows is not None and len(rows) == spec.num_rows:
                 answers[spec.id] = source, rows
                 break
     return answers

@@ -227,6 +227,8 @@ class _Reader:
             structured = tool_spec
         if tools is not None and inputs["messages"] is None:
             problems.append("tools need messages (a chat request)")
+        if echo and inputs["prompts"] and not isinstance(inputs["prompts"][0], str):
+            problems.append("echo needs prompts given as text (it puts their text before the answers), not token ids")
         self._check_model(model, problems)
         if rid is not None:
             self._claim(number, rid, problems)

@@ -151,11 +151,21 @@ def run_shard(
 def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
     """The engine request of a shard line (timeout_s: the job's, for a line without its
     own); ValueError if the engine rejects its settings."""
+    return _request(spec, spec.id, {"prompt": spec.prompt, "messages": spec.messages}, timeout_s)
+
+
+def prompt_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[Request]:
+    """The engine requests of a line with several prompts: one per prompt (a text or token
+    ids), n answers each, with ids as embedding_requests' (the spec's id, a NUL, the index)."""
+    return [_request(spec, f"{spec.id}\0{i}", {"prompt": item} if isinstance(item, str) else {"prompt_token_ids": item},
+                     timeout_s) for i, item in enumerate(spec.prompts)]
+
+
+def _request(spec: RequestSpec, request_id: str, prompt: dict, timeout_s: float | None) -> Request:
     # Every sampling setting a shard line carries (stop_token_ids is engine-only).
     params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)},
                             prompt_logprobs=spec.logprobs if spec.echo else None)   # echo: the prompt's too
-    return Request(spec.id, prompt=spec.prompt, messages=spec.messages, params=params,
-                   timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
+    return Request(request_id, **prompt, params=params, timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
 
 
 def embedding_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[Request]:
@@ -259,6 +269,10 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result, wor
                 for choice, request in enumerate(embedding_requests(spec, job.request_timeout_s)):
                     requests.append(request)
                     answers[request.id] = spec, choice
+            elif spec.prompts is not None:   # one per prompt, each answering n choices from i * n
+                for i, request in enumerate(prompt_requests(spec, job.request_timeout_s)):
+                    requests.append(request)
+                    answers[request.id] = spec, i * spec.n
             else:
                 requests.append(to_request(spec, job.request_timeout_s))
                 answers[spec.id] = spec, 0
@@ -277,7 +291,7 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result, wor
             _notify(on_result, row)
     # Whatever did not finish was dropped by should_stop: a cancel, or a lost lease or a
     # shutdown (both never committed).
-    keys = [(spec, choice) for spec in specs for choice in range(spec.n)]
+    keys = [(spec, choice) for spec in specs for choice in range(spec.num_rows)]
     interrupted = len(rows) < len(keys)
     waited = time.perf_counter() - start
     for spec, choice in keys:

@@ -146,6 +146,58 @@ def test_completions_batch_gives_the_same_answers_as_the_pipeline_format(runner,
     assert answers(openai_rows) == answers(result_rows(data_root, ours_job))
 
 
+def test_a_list_of_prompts_answers_each_as_its_own_line_would(runner, data_root, tmp_path, tiny_model_dir):
+    """OpenAI completions' list `prompt` (texts, or token ids): each prompt's n answers are
+    the ones that prompt gets alone, numbered i * n + j as OpenAI numbers them, in one output
+    line whose usage counts every prompt once; echo puts each choice's own prompt first."""
+    texts = list(PROMPTS.values())[:2]
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    alone = run_job(runner, write_jsonl(tmp_path / "alone.jsonl", [
+        openai_line(f"alone{i}", COMPLETIONS, {"prompt": text, **greedy}) for i, text in enumerate(texts)]),
+        tiny_model_dir)
+    alone_rows = result_rows(data_root, alone)
+    ids = [101, 102, 103, 104]
+    job = run_job(runner, write_jsonl(tmp_path / "lists.jsonl", [
+        openai_line("texts", COMPLETIONS, {"prompt": texts, "n": 2, **greedy}),
+        openai_line("echo", COMPLETIONS, {"prompt": texts, "echo": True, **greedy}),
+        openai_line("ids", COMPLETIONS, {"prompt": ids, **greedy}),
+        openai_line("id-lists", COMPLETIONS, {"prompt": [ids, ids[:2]], **greedy})]), tiny_model_dir)
+    rows = read_results(JobPaths(data_root, job).results_dir).to_pylist()
+    by_key = {(r["id"], r["choice"]): r for r in rows}
+    assert sorted(by_key) == sorted([("texts", c) for c in range(4)] + [("echo", 0), ("echo", 1), ("ids", 0),
+                                                                        ("id-lists", 0), ("id-lists", 1)])
+    for choice in range(4):   # prompt i's answers are choices 2i and 2i + 1
+        row, expected = by_key["texts", choice], alone_rows[f"alone{choice // 2}"]
+        assert (row["output"], row["prompt_tokens"], row["prompt_index"]) == (
+            expected["output"], expected["prompt_tokens"], choice // 2)
+    assert [by_key["echo", i]["output"] for i in range(2)] == [texts[i] + alone_rows[f"alone{i}"]["output"]
+                                                                for i in range(2)]
+    assert (by_key["ids", 0]["prompt_tokens"], by_key["ids", 0]["prompt_index"]) == (4, 0)   # prompts: [ids]
+    assert [by_key["id-lists", i]["prompt_tokens"] for i in range(2)] == [4, 2]
+    assert by_key["id-lists", 0]["output"] == by_key["ids", 0]["output"]   # the same token ids, the same answer
+    ok_lines, err_lines = export_openai(runner, job, tmp_path / "out.jsonl")
+    assert err_lines == []
+    bodies = {line["custom_id"]: Completion.model_validate(line["response"]["body"]) for line in ok_lines}
+    listed = bodies["texts"]
+    assert [c.index for c in listed.choices] == [0, 1, 2, 3]
+    assert [c.text for c in listed.choices] == [by_key["texts", c]["output"] for c in range(4)]
+    assert listed.usage.prompt_tokens == sum(alone_rows[f"alone{i}"]["prompt_tokens"] for i in range(2))
+    assert listed.usage.completion_tokens == sum(by_key["texts", c]["output_tokens"] for c in range(4))
+    assert bodies["id-lists"].usage.prompt_tokens == 6 and bodies["ids"].usage.prompt_tokens == 4
+    # The dry run counts every prompt's rows and tokens; a rerun takes every answer back whole.
+    dry = runner.invoke(main, ["run", str(tmp_path / "lists.jsonl"), "--model", str(tiny_model_dir), *FAST,
+                               "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    figures = json.loads(dry.stdout)
+    assert (figures["lines"], figures["rows"], figures["reused"]) == (4, 9, 4)
+    assert figures["prompt_tokens"] == 2 * listed.usage.prompt_tokens + 4 + 6   # texts, echo, ids, id-lists
+    rerun = run_job(runner, tmp_path / "lists.jsonl", tiny_model_dir)
+    again = read_results(JobPaths(data_root, rerun).results_dir).to_pylist()
+    assert {(r["id"], r["choice"]): (r["output"], r["prompt_index"]) for r in again} == {
+        key: (r["output"], r["prompt_index"]) for key, r in by_key.items()}
+    assert {r["reused_from"] for r in again} == {job}
+
+
 # ---- through a real worker ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,7 @@
 """Chat messages as OpenAI's format writes them (jobs.input_fields): text parts, names, a
-conversation's tool calls and results, an SDK's message dumped whole; and OpenAI body fields
-given as null. Each is taken in the form chat templates read, or refused with its line."""
+conversation's tool calls and results, an SDK's message dumped whole; completions' prompt as
+a list of texts or token ids; and OpenAI body fields given as null. Each is taken in the form
+chat templates (and the engine) read, or refused with its line."""
 from __future__ import annotations
 
 import json
@@ -153,3 +154,39 @@ def test_body_fields_given_as_null_are_taken_as_left_out(tmp_path):
            2: "unsupported field 'function_call' (the legacy form of tool_choice: use tools and tool_choice); "
               "unsupported field 'functions' (the legacy form of tools: use tools and tool_choice)",
            3: "unsupported field 'verbosity'"}
+
+
+def test_a_completions_prompt_may_be_a_list_of_texts_or_token_ids(tmp_path):
+    lines = [
+        batch_line("texts", {"prompt": ["Once upon", "The end"], "n": 2}, url=COMPLETIONS),
+        batch_line("ids", {"prompt": [101, 102, 103]}, url=COMPLETIONS),
+        batch_line("id-lists", {"prompt": [[101, 102], [7]]}, url=COMPLETIONS),
+        batch_line("one", {"prompt": ["Hello"]}, url=COMPLETIONS),   # one text: the same request as "Hello"
+        batch_line("echo", {"prompt": ["a", "b"], "echo": True}, url=COMPLETIONS),
+    ]
+    items = {item.id: item for _, item in iter_lines(write(tmp_path, lines), Limits())}
+    texts = items["texts"]
+    assert (texts.prompt, texts.prompts, texts.num_rows) == (None, ["Once upon", "The end"], 4)
+    assert [texts.prompt_index(c) for c in range(4)] == [0, 0, 1, 1]   # OpenAI's order: i * n + j
+    assert (items["ids"].prompts, items["id-lists"].prompts) == ([[101, 102, 103]], [[101, 102], [7]])
+    assert (items["one"].prompt, items["one"].prompts, items["one"].num_rows) == ("Hello", None, 1)
+    assert items["one"].to_dict()["prompt"] == "Hello" and "prompts" not in items["one"].to_dict()
+    assert items["echo"].echo and items["echo"].prompts == ["a", "b"]
+    got = errors_by_line(tmp_path, [
+        batch_line("a", {"prompt": []}, url=COMPLETIONS),
+        batch_line("b", {"prompt": ["x", 1]}, url=COMPLETIONS),
+        batch_line("c", {"prompt": ["x", ""]}, url=COMPLETIONS),
+        batch_line("d", {"prompt": [[1], []]}, url=COMPLETIONS),
+        batch_line("e", {"prompt": [-1]}, url=COMPLETIONS),
+        batch_line("f", {"prompt": ["x"] * 2049}, url=COMPLETIONS),
+        batch_line("g", {"prompt": [[1, 2]], "echo": True}, url=COMPLETIONS),
+    ])
+    assert got == {
+        1: "prompt must be a string, a list of strings or token ids, got an empty list",
+        2: "prompt must be all strings, all token ids or all lists of token ids, not a mix",
+        3: "prompt[1] must be a non-empty string, got ''",
+        4: "prompt[1] is an empty list of token ids",
+        5: "prompt[0] must be a token id (an integer >= 0), got -1",
+        6: "prompt has 2049 items; at most 2048 are allowed (split it over several lines)",
+        7: "echo needs prompts given as text (it puts their text before the answers), not token ids",
+    }

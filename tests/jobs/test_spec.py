@@ -384,16 +384,14 @@ def test_openai_line_errors(tmp_path):
     assert "missing body.messages" in got[11] and "tools must be a list of 1 to 128 function tools" in got[12]
 
 
-def test_openai_completions_prompt_must_be_one_string(tmp_path):
+def test_openai_completions_take_a_prompt_not_messages(tmp_path):   # its list forms: test_input_fields
     path = write(tmp_path, [
-        batch_line("a", {"prompt": ["x", "y"]}, url=COMPLETIONS),
-        batch_line("b", {"prompt": [1, 2]}, url=COMPLETIONS),
+        batch_line("a", {"prompt": "x"}, url=COMPLETIONS),
         batch_line("c", {"messages": [{"role": "user", "content": "x"}]}, url=COMPLETIONS),
     ])
     got = errors_by_line(path)
-    assert sorted(got) == [1, 2, 3]
-    assert "list of prompts" in got[1] and "list of prompts" in got[2]
-    assert "unsupported field 'messages'" in got[3] and "missing body.prompt" in got[3]
+    assert sorted(got) == [2]
+    assert "unsupported field 'messages'" in got[2] and "missing body.prompt" in got[2]
 
 
 # --- shards -------------------------------------------------------------------------------
