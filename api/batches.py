@@ -15,8 +15,9 @@ from api.errors import ApiError, not_found
 from api.files import invalid_input, owned_file, page
 from jobs import ledger, spec
 from jobs.ledger import JobStatus
-from jobs.openai_format import CHAT, COMPLETIONS, EMBEDDINGS, batch_object
+from jobs.openai_format import batch_object
 from jobs.paths import check_job_id, file_path
+from jobs.request_fields import ENDPOINTS
 from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
 from jobs.submission import EndpointMismatch, OverCapacity, create_job_from_file
 from workers.broker import BrokerUnavailable
@@ -62,9 +63,8 @@ def owned_job(request: Request, key: ledger.ApiKey, batch_id: str) -> ledger.Job
 @router.post("/batches")
 def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depends(caller)):
     config = request.app.state.config
-    if body.endpoint not in (CHAT, COMPLETIONS, EMBEDDINGS):
-        raise ApiError(400, f"endpoint must be {CHAT}, {COMPLETIONS} or {EMBEDDINGS}, got {body.endpoint!r}",
-                       param="endpoint")
+    if body.endpoint not in ENDPOINTS:
+        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}", param="endpoint")
     try:   # OpenAI's is always "24h"; shorter (or longer) windows are ours
         parse_window(body.completion_window)
     except ValueError as e:

@@ -14,13 +14,14 @@ from pipeline.structured_output import KINDS as STRUCTURED_KINDS
 from pipeline.structured_output import check as check_structured
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def structured_output(req: dict, problems: list[str]) -> dict | None:
+def structured_output(req: dict, problems: list[str], labels: dict | None = None) -> dict | None:
     """The grammar the answer must follow (pipeline.structured_output's spec), from OpenAI's
     response_format or vLLM's structured_outputs; None for free text. An invalid schema,
-    regex or grammar is a problem of the line (checked once per distinct spec)."""
+    regex or grammar is a problem of the line (checked once per distinct spec), named as
+    `labels` name the field (a responses body's text.format)."""
     given = [k for k in ("response_format", "structured_outputs") if req.get(k) is not None]
     if len(given) > 1:
         problems.append("give response_format or structured_outputs, not both")
@@ -31,7 +32,7 @@ def structured_output(req: dict, problems: list[str]) -> dict | None:
     spec = check(_response_format if name == "response_format" else _structured_outputs, name, req[name], None,
                  problems)
     if spec is not None and (problem := check_structured(spec)) is not None:
-        problems.append(f"{name}: {problem}")
+        problems.append(f"{(labels or {}).get(name, name)}: {problem}")
         return None
     return spec
 
@@ -114,7 +115,7 @@ def _tools(name, v, _):
         if not isinstance(function, dict):
             raise Bad(f'{where} must be {{"type": "function", "function": {{"name", "parameters"}}}}, got {describe(tool)}')
         fname = function.get("name")
-        if not isinstance(fname, str) or not _FUNCTION_NAME.fullmatch(fname):
+        if not isinstance(fname, str) or not FUNCTION_NAME.fullmatch(fname):
             raise Bad(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {describe(fname)}")
         if fname in seen:
             raise Bad(f"{where}: a second tool named {fname!r}")

@@ -183,13 +183,14 @@ def _tool_calls(where: str, calls, max_chars: int) -> tuple[list[dict], int]:
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
             raise Bad(f"{at}.function.arguments must be a string of JSON, got {describe(arguments)}")
+        arguments_object = tool_call_arguments(f"{at}.function.arguments", arguments)
         out.append({"id": string(f"{at}.id", call.get("id"), max_chars), "type": "function",
-                    "function": {"name": name, "arguments": _arguments(f"{at}.function.arguments", arguments)}})
+                    "function": {"name": name, "arguments": arguments_object}})
         size += len(name) + len(arguments)
     return out, size
 
 
-def _arguments(where: str, text: str) -> dict:
+def tool_call_arguments(where: str, text: str) -> dict:
     """A call's arguments as the object chat templates show (an empty string: no arguments)."""
     if not text.strip():
         return {}

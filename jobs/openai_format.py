@@ -2,8 +2,8 @@
 
 Pure functions over plain dicts (result rows of docs/contracts.md, job dicts from the
 ledger); only write_openai_files touches the file system. The shapes match the types of
-the `openai` package (Batch, ChatCompletion, Completion, CreateEmbeddingResponse), which the
-tests validate against.
+the `openai` package (Batch, ChatCompletion, Completion, CreateEmbeddingResponse, Response),
+which the tests validate against.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from datetime import datetime, timezone
 from typing import Iterable
 
 from jobs.atomic import TargetRefused, atomic_write, check_target, same_target
-from jobs.request_fields import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
+from jobs.request_fields import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, RESPONSES_ENDPOINT
 from jobs.scheduling import error_code
 from jobs.states import JobStatus
 from pipeline.request import FinishReason
 
-CHAT, COMPLETIONS, EMBEDDINGS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
+CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, RESPONSES_ENDPOINT
 # Batch.endpoint is a plain str in the openai types, so any value validates. A pipeline-format
 # job has no OpenAI endpoint; it is reported as /v1/completions, the generic text endpoint.
 PIPELINE_ENDPOINT = COMPLETIONS
@@ -89,6 +89,8 @@ def _body(rows: list[dict], digest: str, *, endpoint: str, model: str, created: 
     prompts has a first row each), the completion tokens of every choice."""
     if endpoint == EMBEDDINGS:
         return _embeddings_body(rows, model)
+    if endpoint == RESPONSES:
+        return _response_body(rows, digest, model=model, created=created)
     first_of: dict[int | None, dict] = {}   # prompt index (None: the one prompt) -> its first row
     for row in rows:
         first_of.setdefault(row.get("prompt_index"), row)
@@ -114,6 +116,38 @@ def _embeddings_body(rows: list[dict], model: str) -> dict:
             for row in rows]
     tokens = sum(int(row["prompt_tokens"]) for row in rows)
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _response_body(rows: list[dict], digest: str, *, model: str, created: int) -> dict:
+    """A Response: one output item, the assistant's message (its logprobs when asked for) or
+    the forced function call. An answer cut by max_output_tokens is "incomplete", as OpenAI
+    reports it. The request's own settings (instructions, tools, temperature, ...) are not
+    echoed back: result rows do not keep them."""
+    if len(rows) != 1:
+        raise ValueError(f"request {rows[0]['id']!r}: a response has one answer, got {len(rows)} rows")
+    row = rows[0]
+    status = "incomplete" if row["finish_reason"] == FinishReason.LENGTH else "completed"
+    text = row["output"] or ""
+    if row.get("tool_call"):
+        item = {"type": "function_call", "id": f"fc_{digest[:32]}", "call_id": f"call_{digest[:24]}",
+                "name": row["tool_call"], "arguments": text, "status": status}
+        tool_choice = {"type": "function", "name": row["tool_call"]}
+    else:
+        item = {"type": "message", "id": f"msg_{digest[:32]}", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [],
+                             "logprobs": row.get("logprobs") or []}]}
+        tool_choice = "auto"
+    input_tokens, output_tokens = int(row["prompt_tokens"]), int(row["output_tokens"])
+    return {"id": f"resp_{digest[:32]}", "object": "response", "created_at": created, "status": status,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": None, "metadata": None, "model": model, "output": [item], "parallel_tool_calls": True,
+            "temperature": None, "tool_choice": tool_choice, "tools": [], "top_p": None,
+            "usage": {"input_tokens": input_tokens,
+                      # cache writes are not metered (the prefix cache keeps what it computes unasked)
+                      "input_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0),
+                                               "cache_write_tokens": 0},
+                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": input_tokens + output_tokens}}
 
 
 def _base64(vector: list[float]) -> str:

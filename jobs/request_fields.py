@@ -21,7 +21,8 @@ from pipeline.sampling_params import SamplingParams
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 EMBEDDINGS_ENDPOINT = "/v1/embeddings"   # its fields: jobs.embedding_fields
-ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT)
+RESPONSES_ENDPOINT = "/v1/responses"     # read as the chat body it amounts to: jobs.response_fields
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, RESPONSES_ENDPOINT)
 # The roles of the OpenAI chat format; a chat template given another may render it as text or fail.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _OPENAI_INPUT_KEY = {CHAT_ENDPOINT: "messages", COMPLETIONS_ENDPOINT: "prompt"}

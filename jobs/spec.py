@@ -29,9 +29,10 @@ from jobs.atomic import describe_file_type
 from jobs.input_fields import request_inputs
 from jobs.input_file import open_regular_file, read_lines
 from jobs.request_fields import (
-    CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, SAMPLING_DEFAULTS, STRUCTURED_KEYS,
-    TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, string, too_deep,
+    CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
+    STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, string, too_deep,
 )
+from jobs.response_fields import responses_body
 from jobs.plain_lines import PlainLines
 from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
 from jobs.unique_ids import IdLog
@@ -45,6 +46,7 @@ _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING
                   *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _PLAIN_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+_FIELDS_OF = {RESPONSES_ENDPOINT: CHAT_ENDPOINT}   # a responses body is checked as the chat body it amounts to
 # The fields whose checks give the answer's form (jobs.answer_fields); a line without any has none.
 _SHAPING_KEYS = frozenset({*STRUCTURED_KEYS, *TOOL_KEYS, "logprobs", "top_logprobs", "echo"})
 
@@ -216,9 +218,10 @@ class _Reader:
         structured = logprobs = tools = tool_call = tool_spec = None
         echo = False
         if not _SHAPING_KEYS.isdisjoint(req):   # most lines ask for none of these: their checks are skipped
-            structured = structured_output(req, problems)
-            logprobs = logprobs_setting(req, self.endpoint if fmt == "openai" else None, problems)
-            echo = echo_setting(req, self.endpoint if fmt == "openai" else None, problems)
+            structured = structured_output(req, problems, labels)
+            endpoint = _FIELDS_OF.get(self.endpoint, self.endpoint) if fmt == "openai" else None
+            logprobs = logprobs_setting(req, endpoint, problems)
+            echo = echo_setting(req, endpoint, problems)
             tools, tool_call, tool_spec = forced_tool(req, problems)
         if tool_spec is not None:
             if structured is not None:
@@ -358,6 +361,8 @@ class _Reader:
             if model is not None:
                 model = check(string, "model", model, self.limits.max_id_chars, problems)
             return rid, model, body, _EMBEDDING
+        if endpoint == RESPONSES_ENDPOINT:
+            return (rid, *responses_body(body, self.limits.max_id_chars, self.limits.max_prompt_chars, problems))
         return (rid, *openai_body(endpoint, body, self.limits.max_id_chars, problems))
 
     def _claim(self, number: int, rid: str, problems: list[str]) -> None:

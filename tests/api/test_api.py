@@ -315,6 +315,27 @@ def test_an_embeddings_batch_runs_through_the_client_and_a_chat_file_is_refused_
     assert bodies["ids"].usage.prompt_tokens == 3
 
 
+def test_a_responses_batch_runs_through_the_client_as_response_objects(server):
+    """/v1/responses lines as a hosted batch file writes them (instructions, input, a model name
+    the server is given), and a file of them is refused for a chat batch."""
+    from openai.types.responses import Response
+    client = server.client()
+    url = "/v1/responses"
+    rows = [{"custom_id": "capital", "method": "POST", "url": url, "body": {
+        "model": "gpt-4o-mini", "instructions": "You answer in one word.", "input": "What is the capital of France?",
+        "max_output_tokens": 8, "temperature": 0, "store": False}}]
+    upload = client.files.create(file=("responses.jsonl", jsonl(rows)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match=f"are for {url}, not {CHAT}"):
+        client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    batch = wait_until_ended(client, client.batches.create(input_file_id=upload.id, endpoint=url,
+                                                           completion_window="24h").id)
+    assert batch.status == "completed" and batch.endpoint == url and batch.request_counts.completed == 1
+    (line,) = lines_of(client, batch.output_file_id)
+    body = Response.model_validate(line["response"]["body"])
+    assert line["custom_id"] == "capital" and body.model == "gpt-4o-mini" and "Paris" in body.output_text
+    assert batch.usage.output_tokens == body.usage.output_tokens > 0
+
+
 def test_a_rerun_of_an_answered_file_is_completed_when_it_is_created(server):
     """Reuse at submit through the API: the same lines again make a batch that is completed in
     the create call's own answer, its output lines the first batch's answers. (After the

@@ -520,3 +520,63 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_answers(runner, data_r
     assert logprobs["token_logprobs"][prompt_tokens:] == bodies["answer_only"]["choices"][0]["logprobs"]["token_logprobs"]
     trimmed = {**scored, "logprobs": {key: values[1:] for key, values in logprobs.items()}}
     Completion.model_validate({**bodies["scored"], "choices": [trimmed]})
+
+
+def test_a_responses_file_answers_as_its_chat_file_does_in_response_objects(runner, data_root, tmp_path,
+                                                                              bundled_model_dir):
+    """/v1/responses lines on the bundled model, greedy: instructions and input, a JSON schema
+    (text.format), a forced function call and logprobs. Each answers exactly as its
+    /v1/chat/completions twin does; the output lines are the openai package's Response."""
+    import jsonschema
+    from openai.types.responses import Response
+
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+    base = {"model": "SmolLM2-135M-Instruct", "temperature": 0}
+    twins = {
+        "capital": ({"instructions": "You answer in one word.", "input": "What is the capital of France?",
+                     "max_output_tokens": 8},
+                    {"messages": CHATS["capital"], "max_tokens": 8}),
+        "person": ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Extract: Alice is 30."}]}],
+                    "text": {"format": {"type": "json_schema", "name": "person", "schema": person, "strict": True}},
+                    "max_output_tokens": 40},
+                   {"messages": [{"role": "user", "content": "Extract: Alice is 30."}], "max_tokens": 40,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}}),
+        "call": ({"input": "What is the weather in Paris?", "max_output_tokens": 40,
+                  "tools": [{"type": "function", "name": "get_weather", "parameters": weather}],
+                  "tool_choice": {"type": "function", "name": "get_weather"}},
+                 {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 40,
+                  "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}],
+                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        "scored": ({"input": "Is 'I love it' positive? Answer yes or no.", "max_output_tokens": 2,
+                    "top_logprobs": 2, "include": ["message.output_text.logprobs"]},
+                   {"messages": [{"role": "user", "content": "Is 'I love it' positive? Answer yes or no."}],
+                    "max_tokens": 2, "logprobs": True, "top_logprobs": 2}),
+    }
+    jobs = {}
+    for url, which in (("/v1/responses", 0), (CHAT, 1)):
+        src = write_jsonl(tmp_path / f"{which}.jsonl", [openai_line(cid, url, {**base, **pair[which]})
+                                                        for cid, pair in twins.items()])
+        jobs[url] = run_job(runner, src, bundled_model_dir)
+    ours, theirs = (result_rows(data_root, jobs[url]) for url in ("/v1/responses", CHAT))
+    assert answers(ours) == answers(theirs)
+    assert {i: (r["tool_call"], r["logprobs"]) for i, r in ours.items()} == {
+        i: (r["tool_call"], r["logprobs"]) for i, r in theirs.items()}
+    ok_lines, err_lines = export_openai(runner, jobs["/v1/responses"], tmp_path / "out.jsonl")
+    assert err_lines == [] and [line["custom_id"] for line in ok_lines] == list(twins)
+    bodies = {line["custom_id"]: Response.model_validate(line["response"]["body"]) for line in ok_lines}
+    assert "Paris" in bodies["capital"].output_text and bodies["capital"].status == "completed"
+    jsonschema.validate(json.loads(bodies["person"].output_text), person)
+    (call,) = bodies["call"].output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), weather)
+    (message,) = bodies["scored"].output
+    assert bodies["scored"].status == "incomplete" and bodies["scored"].incomplete_details.reason == "max_output_tokens"
+    logprobs = message.content[0].logprobs
+    assert len(logprobs) == ours["scored"]["output_tokens"] == 2
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob for entry in logprobs)
+    for cid, body in bodies.items():
+        row = ours[cid]
+        assert (body.usage.input_tokens, body.usage.output_tokens) == (row["prompt_tokens"], row["output_tokens"])

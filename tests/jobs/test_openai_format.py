@@ -7,6 +7,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
+from openai.types.responses.response import IncompleteDetails
 
 from jobs.openai_format import batch_object, is_error_line, output_line, write_openai_files
 
@@ -195,3 +197,45 @@ def test_embedding_output_line_validates_with_floats_and_base64():
     failed = output_line([{**rows[0], "finish_reason": "error", "error": "too long", "embedding": None}],
                          endpoint="/v1/embeddings", model="m", created=1)
     assert failed["response"] is None and failed["error"]["message"] == "too long"
+
+
+RESPONSES = "/v1/responses"
+ENTRY = {"token": "No", "logprob": -0.5, "bytes": [78, 111],
+         "top_logprobs": [{"token": "No", "logprob": -0.5, "bytes": [78, 111]},
+                          {"token": "Yes", "logprob": -1.0, "bytes": [89, 101, 115]}]}
+
+
+@pytest.mark.parametrize("finish,status", [("stop", "completed"), ("length", "incomplete")])
+def test_responses_output_line_is_a_response_with_the_answer_or_the_forced_call(finish, status):
+    line = output_line({**row(finish_reason=finish, cached_tokens=2), "logprobs": [ENTRY]}, endpoint=RESPONSES,
+                       model="gpt-4o-mini", created=7)
+    body = Response.model_validate(line["response"]["body"])
+    assert set(line["response"]["body"]) <= set(Response.model_fields)
+    assert (body.object, body.created_at, body.model, body.status) == ("response", 7, "gpt-4o-mini", status)
+    assert body.id.startswith("resp_") and body.output_text == "Hello there" and body.error is None
+    assert body.incomplete_details == (None if finish == "stop" else IncompleteDetails(reason="max_output_tokens"))
+    (message,) = body.output
+    assert (message.type, message.role, message.status, message.id[:4]) == ("message", "assistant", status, "msg_")
+    (text,) = message.content
+    assert [(p.token, p.logprob, [t.token for t in p.top_logprobs]) for p in text.logprobs] == [
+        ("No", -0.5, ["No", "Yes"])]
+    usage = body.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (5, 3, 8)
+    assert (usage.input_tokens_details.cached_tokens, usage.output_tokens_details.reasoning_tokens) == (2, 0)
+
+    call = output_line({**row(output='{"city": "Paris"}', finish_reason=finish), "tool_call": "get_weather"},
+                       endpoint=RESPONSES, model="m", created=7)
+    body = Response.model_validate(call["response"]["body"])
+    (item,) = body.output
+    assert (item.type, item.name, json.loads(item.arguments), item.status) == (
+        "function_call", "get_weather", {"city": "Paris"}, status)
+    assert item.call_id.startswith("call_") and body.output_text == ""
+    assert body.tool_choice.name == "get_weather"
+
+
+def test_a_failed_response_is_an_error_line_and_a_response_has_one_answer():
+    line = output_line(row(output="", finish_reason="error", error="too long"), endpoint=RESPONSES, model="m",
+                       created=1)
+    assert line["response"] is None and line["error"] == {"code": "request_failed", "message": "too long"}
+    with pytest.raises(ValueError, match="one answer"):
+        output_line([{**row(), "choice": 0}, {**row(), "choice": 1}], endpoint=RESPONSES, model="m", created=1)
