@@ -96,7 +96,7 @@ def _messages(given: dict, max_chars: int) -> list[dict] | None:
     if items is None:
         return None
     messages = []
-    if "instructions" in given:
+    if given.get("instructions", "") != "":   # an empty one is none
         messages.append({"role": "system", "content": _string("instructions", given["instructions"])})
     if isinstance(items, str):
         items = [{"role": "user", "content": _string("input", items)}]
@@ -232,6 +232,8 @@ def _tools(given: dict, _) -> dict:
             raise Bad(f"tools[{i}] has unsupported field {extra[0]!r}")
         if not isinstance(tool.get("name"), str) or not FUNCTION_NAME.fullmatch(tool["name"]):
             raise Bad(f"tools[{i}].name must be 1 to 64 letters, digits, _ or -, got {describe(tool.get('name'))}")
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise Bad(f"tools[{i}].parameters must be a JSON schema object, got {describe(tool['parameters'])}")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
                                                                           "strict") if tool.get(k) is not None}})
     return {"tools": out}

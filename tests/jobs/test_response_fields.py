@@ -90,7 +90,7 @@ def test_each_responses_body_is_the_request_its_chat_body_is(tmp_path):
         ({"input": "hi", "store": False, "metadata": {"team": "a"}, "user": "u", "service_tier": "auto",
           "truncation": "auto", "max_tool_calls": 2, "background": False, "stream": False,
           "prompt_cache_key": "nightly", "safety_identifier": "s", "include": [], "reasoning": None,
-          "previous_response_id": None, "text": {"format": {"type": "text"}}},
+          "previous_response_id": None, "text": {"format": {"type": "text"}}, "instructions": ""},
          {"messages": [{"role": "user", "content": "hi"}]}),
     ]
     ours = specs(tmp_path, [responses for responses, _ in pairs], RESPONSES)
@@ -119,6 +119,7 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         {"input": [{"role": "tool", "content": "x"}]},
         {"input": "hi", "conversation": "conv_1", "prompt": {"id": "pmpt_1"}},
         {"input": "hi", "tools": [{**tool, "name": "bad name"}], "tool_choice": "required"},
+        {"input": "hi", "tools": [{**tool, "parameters": "city"}], "tool_choice": "required", "instructions": 5},
     ])
     assert bad == {
         1: "unsupported field 'previous_response_id' (a batch keeps no responses: give the whole conversation "
@@ -146,6 +147,8 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
             "input); unsupported field 'prompt' (stored prompt templates are not available: give the text in "
             "instructions and input)",
         16: "tools[0].name must be 1 to 64 letters, digits, _ or -, got 'bad name'",
+        17: "instructions must be a non-empty string, got 5; tools[0].parameters must be a JSON schema object, "
+            "got 'city'",
     }
 
 
