@@ -559,8 +559,12 @@ def test_a_responses_file_answers_as_its_chat_file_does_in_response_objects(runn
     for url, which in (("/v1/responses", 0), (CHAT, 1)):
         src = write_jsonl(tmp_path / f"{which}.jsonl", [openai_line(cid, url, {**base, **pair[which]})
                                                         for cid, pair in twins.items()])
-        jobs[url] = run_job(runner, src, bundled_model_dir)
+        done = runner.invoke(main, ["run", str(src), "--model", str(bundled_model_dir), "--no-reuse", *FAST])
+        assert done.exit_code == 0, done.output
+        jobs[url] = re.search(r"job (job_[0-9a-f]{16}): completed", done.stdout)[1]
     ours, theirs = (result_rows(data_root, jobs[url]) for url in ("/v1/responses", CHAT))
+    assert {r["reused_from"] for r in theirs.values()} == {None}   # both computed, neither reused
+    assert {i: r["request_key"] for i, r in ours.items()} == {i: r["request_key"] for i, r in theirs.items()}
     assert answers(ours) == answers(theirs)
     assert {i: (r["tool_call"], r["logprobs"]) for i, r in ours.items()} == {
         i: (r["tool_call"], r["logprobs"]) for i, r in theirs.items()}
