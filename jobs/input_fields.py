@@ -128,7 +128,7 @@ def _message(where: str, m, max_chars: int) -> tuple[dict, int]:
     content = m.get("content")
     if content is None and tool_calls is not None:
         content = ""   # a turn of tool calls only; templates concatenate content, so never None
-    message["content"] = _content(f"{where}.content", content)
+    message["content"] = content_text(f"{where}.content", content)
     size += len(message["content"])
     if m.get("name") is not None:
         message["name"] = string(f"{where}.name", m["name"], max_chars)
@@ -138,8 +138,11 @@ def _message(where: str, m, max_chars: int) -> tuple[dict, int]:
     return message, size
 
 
-def _content(where: str, content) -> str:
-    """A message's text: a string, or its text parts joined."""
+def content_text(where: str, content, part_types: tuple[str, ...] = ("text",),
+                 ignored_keys: frozenset[str] = frozenset()) -> str:
+    """A message's text: a string, or its text parts joined (`part_types`: what the API calls a
+    text part, chat's "text" or the Responses API's "input_text"/"output_text"; `ignored_keys`:
+    the other fields such a part may carry)."""
     if isinstance(content, str):
         encodable(where, content)
         return content
@@ -148,12 +151,14 @@ def _content(where: str, content) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        if kind not in part_types:
             if isinstance(kind, str) and kind:
-                raise Bad(f"{where}[{j}] has type {kind!r}; only text parts are supported (the models "
+                named = "" if part_types == ("text",) else f" ({', '.join(part_types)})"
+                raise Bad(f"{where}[{j}] has type {kind!r}; only text parts{named} are supported (the models "
                           "served read text only)")
-            raise Bad(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}, got {describe(part)}")
-        extra = sorted(part.keys() - {"type", "text"})
+            raise Bad(f"{where}[{j}] must be a text part {{\"type\": \"{part_types[0]}\", \"text\": ...}}, "
+                      f"got {describe(part)}")
+        extra = sorted(part.keys() - {"type", "text"} - ignored_keys)
         if extra:
             raise Bad(f"{where}[{j}] has unsupported field {extra[0]!r}")
         text = part.get("text")

@@ -17,7 +17,7 @@ tools and non-text input. The answer's shape: jobs.openai_format.
 from __future__ import annotations
 
 from jobs.answer_fields import FUNCTION_NAME
-from jobs.input_fields import tool_call_arguments
+from jobs.input_fields import content_text, tool_call_arguments
 from jobs.request_fields import IGNORED_BODY_KEYS, Bad, check, describe, encodable, string
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -38,6 +38,7 @@ _REFUSED = {
 _CHAT_KEYS = ("temperature", "top_p", "parallel_tool_calls")   # the same name and meaning
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
+_GIVEN_BACK = frozenset({"annotations", "logprobs"})   # an earlier response's output_text part carries them
 _FORMAT_KEYS = {"type", "name", "schema", "strict", "description"}
 
 
@@ -143,29 +144,7 @@ def _message(where: str, item: dict) -> dict:
 
 def _content(where: str, content) -> str:
     """A string, or text parts joined as chat's are (jobs.input_fields)."""
-    if isinstance(content, str):
-        encodable(where, content)
-        return content
-    if not isinstance(content, list) or not content:
-        raise Bad(f"{where} must be a string or a non-empty list of input_text parts, got {describe(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            if isinstance(kind, str) and kind:
-                raise Bad(f"{where}[{j}] has type {kind!r}; only text parts (input_text, output_text) are supported "
-                          "(the models served read text only)")
-            raise Bad(f'{where}[{j}] must be a text part {{"type": "input_text", "text": ...}}, got {describe(part)}')
-        # output_text parts given back from a response carry their annotations and logprobs
-        extra = sorted(k for k in part.keys() - {"type", "text", "annotations", "logprobs"} if part[k] is not None)
-        if extra:
-            raise Bad(f"{where}[{j}] has unsupported field {extra[0]!r}")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise Bad(f"{where}[{j}].text must be a string, got {describe(text)}")
-        encodable(f"{where}[{j}].text", text)
-        texts.append(text)
-    return "\n".join(texts)
+    return content_text(where, content, _TEXT_PARTS, _GIVEN_BACK)
 
 
 def _function_call(where: str, item: dict) -> dict:
