@@ -32,9 +32,9 @@ from jobs.request_fields import (
     CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
     STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, string, too_deep,
 )
-from jobs.response_fields import responses_body
 from jobs.plain_lines import PlainLines
 from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
+from jobs.response_fields import responses_body
 from jobs.unique_ids import IdLog
 from jobs.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete   # re-exported
 
