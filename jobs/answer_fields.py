@@ -63,14 +63,19 @@ def _structured_outputs(name, v, _):
     return dict(v)
 
 
-def forced_tool(req: dict, problems: list[str]) -> tuple[list[dict] | None, str | None, dict | None]:
+CHAT_FORCED_CALL = '{"type": "function", "function": {"name": ...}}'   # a forced tool_choice, as chat writes it
+
+
+def forced_tool(req: dict, problems: list[str], forced_call: str = CHAT_FORCED_CALL,
+                ) -> tuple[list[dict] | None, str | None, dict | None]:
     """A chat request's tools: (tools for the chat template, the function the answer must
     call, its structured-output spec over that function's parameters), or Nones.
 
     A call is forced by tool_choice naming a function, or "required" with one tool; the
     answer is then a JSON object valid under the function's parameters (its arguments).
     tool_choice "none" drops the tools. "auto" (the default with tools) and "required" with
-    several tools would need the model's own tool-call syntax parsed: refused, for now."""
+    several tools would need the model's own tool-call syntax parsed: refused, for now.
+    forced_call: how the line's API writes a forced tool_choice, for the errors' hints."""
     tools, choice = req.get("tools"), req.get("tool_choice")
     if tools is None:
         if choice not in (None, "none"):
@@ -84,8 +89,9 @@ def forced_tool(req: dict, problems: list[str]) -> tuple[list[dict] | None, str 
         function = choice.get("function") if choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or name not in names:
-            problems.append(f"tool_choice must name one of the tools ({', '.join(names)}) as "
-                            f'{{"type": "function", "function": {{"name": ...}}}}, got {describe(choice)}')
+            given = repr(name) if isinstance(name, str) else describe(choice)
+            problems.append(f"tool_choice must name one of the tools ({', '.join(names)}) as {forced_call}, "
+                            f"got {given}")
             return None, None, None
     elif choice == "required" and len(tools) == 1:
         name = names[0]
@@ -93,8 +99,7 @@ def forced_tool(req: dict, problems: list[str]) -> tuple[list[dict] | None, str 
         why = (f"tool_choice \"required\" with {len(tools)} tools" if choice == "required" else
                f"tool_choice {describe(choice) if choice is not None else 'auto (the default with tools)'}")
         problems.append(f"{why} is not supported: the model's own tool-call format is not parsed; force one "
-                        'function with tool_choice {"type": "function", "function": {"name": ...}}, or '
-                        '"required" with a single tool')
+                        f'function with tool_choice {forced_call}, or "required" with a single tool')
         return None, None, None
     parameters = next(t["function"] for t in tools if t["function"]["name"] == name).get(
         "parameters", {"type": "object", "properties": {}})

@@ -21,6 +21,7 @@ from jobs.input_fields import content_text, tool_call_arguments
 from jobs.request_fields import IGNORED_BODY_KEYS, Bad, check, describe, encodable, string
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+FORCED_CALL = '{"type": "function", "name": ...}'   # a forced tool_choice, as this API writes it
 # Body fields a batch takes and ignores, beyond chat's (jobs.request_fields.IGNORED_BODY_KEYS):
 # tools are never run here, so a cap on their calls changes nothing; input that fits is not
 # truncated either way (input that does not is a bad line, as in chat); background and
@@ -71,9 +72,7 @@ def responses_body(body: dict, max_model_chars: int, max_chars: int, problems: l
             value = _run(read, given, max_chars, problems)
             if value is not None:
                 chat.update(value)
-    if "tools" in chat:
-        _check_forced(chat, problems)
-    elif "tools" in given:
+    if "tools" in given and "tools" not in chat:
         chat.pop("tool_choice", None)   # the tools' own problem is the line's; the choice has nothing to name
     _logprobs(given, chat, problems)
     return model, chat, labels
@@ -225,30 +224,9 @@ def _tool_choice(given: dict, _) -> dict:
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.keys() == {"type", "name"}:
         return {"tool_choice": {"type": "function", "function": {"name": choice["name"]}}}
     if choice == "auto":
-        return {}   # the default with tools: refused once the tools are read
+        return {}   # the default with tools (refused by the chat checks: jobs.answer_fields.forced_tool)
     raise Bad('tool_choice must be "none", "required" or {"type": "function", "name": ...} (a batch runs no '
               f"hosted tools), got {describe(choice)}")
-
-
-def _check_forced(chat: dict, problems: list[str]) -> None:
-    """The chat checks force the call (jobs.answer_fields.forced_tool); what they refuse is
-    refused here first, in this body's words, and the tools dropped so that it is said once."""
-    choice, names = chat.get("tool_choice"), [tool["function"]["name"] for tool in chat["tools"]]
-    force = 'force one function with tool_choice {"type": "function", "name": ...}, or "required" with a single tool'
-    if choice is None:
-        problem = f"tool_choice auto (the default with tools) is not supported: the model's own tool-call format " \
-                  f"is not parsed; {force}"
-    elif choice == "required" and len(names) > 1:
-        problem = f'tool_choice "required" with {len(names)} tools is not supported: the model\'s own tool-call ' \
-                  f"format is not parsed; {force}"
-    elif isinstance(choice, dict) and choice["function"]["name"] not in names:
-        named = describe(choice["function"]["name"])
-        problem = f"tool_choice must name one of the tools ({', '.join(names)}), got {named}"
-    else:
-        return
-    problems.append(problem)
-    chat.pop("tools")
-    chat.pop("tool_choice", None)
 
 
 def _logprobs(given: dict, chat: dict, problems: list[str]) -> None:

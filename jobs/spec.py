@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from jobs.answer_fields import echo_setting, forced_tool, logprobs_setting, structured_output
+from jobs.answer_fields import CHAT_FORCED_CALL, echo_setting, forced_tool, logprobs_setting, structured_output
 from jobs.embedding_fields import (
     OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
 )
@@ -34,6 +34,7 @@ from jobs.request_fields import (
 )
 from jobs.plain_lines import PlainLines
 from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
+from jobs.response_fields import FORCED_CALL as RESPONSES_FORCED_CALL
 from jobs.response_fields import responses_body
 from jobs.unique_ids import IdLog
 from jobs.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete   # re-exported
@@ -47,6 +48,7 @@ _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _PLAIN_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 _FIELDS_OF = {RESPONSES_ENDPOINT: CHAT_ENDPOINT}   # a responses body is checked as the chat body it amounts to
+_FORCED_CALL = {RESPONSES_ENDPOINT: RESPONSES_FORCED_CALL}   # how a line's API writes a forced tool_choice
 # The fields whose checks give the answer's form (jobs.answer_fields); a line without any has none.
 _SHAPING_KEYS = frozenset({*STRUCTURED_KEYS, *TOOL_KEYS, "logprobs", "top_logprobs", "echo"})
 
@@ -219,10 +221,10 @@ class _Reader:
         echo = False
         if not _SHAPING_KEYS.isdisjoint(req):   # most lines ask for none of these: their checks are skipped
             structured = structured_output(req, problems, labels)
-            endpoint = _FIELDS_OF.get(self.endpoint, self.endpoint) if fmt == "openai" else None
-            logprobs = logprobs_setting(req, endpoint, problems)
-            echo = echo_setting(req, endpoint, problems)
-            tools, tool_call, tool_spec = forced_tool(req, problems)
+            endpoint = self.endpoint if fmt == "openai" else None
+            logprobs = logprobs_setting(req, _FIELDS_OF.get(endpoint, endpoint), problems)
+            echo = echo_setting(req, _FIELDS_OF.get(endpoint, endpoint), problems)
+            tools, tool_call, tool_spec = forced_tool(req, problems, _FORCED_CALL.get(endpoint, CHAT_FORCED_CALL))
         if tool_spec is not None:
             if structured is not None:
                 problems.append("a forced tool call already fixes the answer's form: give tools or "

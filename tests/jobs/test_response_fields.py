@@ -120,6 +120,7 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         {"input": "hi", "conversation": "conv_1", "prompt": {"id": "pmpt_1"}},
         {"input": "hi", "tools": [{**tool, "name": "bad name"}], "tool_choice": "required"},
         {"input": "hi", "tools": [{**tool, "parameters": "city"}], "tool_choice": "required", "instructions": 5},
+        {"input": "hi", "tools": [tool, {**tool, "name": "g"}], "tool_choice": "required"},
     ])
     assert bad == {
         1: "unsupported field 'previous_response_id' (a batch keeps no responses: give the whole conversation "
@@ -130,7 +131,7 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         4: "tool_choice auto (the default with tools) is not supported: the model's own tool-call format is not "
            'parsed; force one function with tool_choice {"type": "function", "name": ...}, or "required" with a '
            "single tool",
-        5: "tool_choice must name one of the tools (f), got 'g'",
+        5: 'tool_choice must name one of the tools (f) as {"type": "function", "name": ...}, got \'g\'',
         6: "text.format: Invalid type: objekt",
         7: "max_output_tokens must be between 1 and 1000000, got 0",
         8: "unsupported field 'reasoning' (the model's chat template decides whether it reasons); text has "
@@ -149,7 +150,19 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         16: "tools[0].name must be 1 to 64 letters, digits, _ or -, got 'bad name'",
         17: "instructions must be a non-empty string, got 5; tools[0].parameters must be a JSON schema object, "
             "got 'city'",
+        18: 'tool_choice "required" with 2 tools is not supported: the model\'s own tool-call format is not parsed; '
+            'force one function with tool_choice {"type": "function", "name": ...}, or "required" with a single tool',
     }
+    # A chat line's hints show chat's form of the same choice.
+    chat_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [chat_tool]}
+    v = validate(write(tmp_path, [line("a", chat, CHAT), line("b", {**chat, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, CHAT)], "chat.jsonl"), Limits())
+    assert [e.message for e in v.errors] == [
+        "tool_choice auto (the default with tools) is not supported: the model's own tool-call format is not parsed; "
+        'force one function with tool_choice {"type": "function", "function": {"name": ...}}, or "required" with a '
+        "single tool",
+        'tool_choice must name one of the tools (f) as {"type": "function", "function": {"name": ...}}, got \'g\'']
 
 
 @pytest.mark.parametrize("url", [CHAT, RESPONSES])
