@@ -25,8 +25,8 @@ FORCED_CALL = '{"type": "function", "name": ...}'   # a forced tool_choice, as t
 # Body fields a batch takes and ignores, beyond chat's (jobs.request_fields.IGNORED_BODY_KEYS):
 # tools are never run here, so a cap on their calls changes nothing; input that fits is not
 # truncated either way (input that does not is a bad line, as in chat); background and
-# stream only when false.
-_IGNORED = IGNORED_BODY_KEYS | {"max_tool_calls", "truncation", "background", "include"}
+# stream only when false. (modalities is chat's: this API has none.)
+_IGNORED = (IGNORED_BODY_KEYS - {"modalities"}) | {"max_tool_calls", "truncation", "background", "include"}
 _TRUNCATION = ("auto", "disabled")
 # Fields that need something a batch does not keep or do: a bad line saying why.
 _REFUSED = {

@@ -117,7 +117,7 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         {"input": [{"type": "item_reference", "id": "msg_1"}]},
         {"input": "hi", "top_logprobs": 30},
         {"input": [{"role": "tool", "content": "x"}]},
-        {"input": "hi", "conversation": "conv_1", "prompt": {"id": "pmpt_1"}},
+        {"input": "hi", "conversation": "conv_1", "prompt": {"id": "pmpt_1"}, "modalities": ["text"]},
         {"input": "hi", "tools": [{**tool, "name": "bad name"}], "tool_choice": "required"},
         {"input": "hi", "tools": [{**tool, "parameters": "city"}], "tool_choice": "required", "instructions": 5},
         {"input": "hi", "tools": [tool, {**tool, "name": "g"}], "tool_choice": "required"},
@@ -145,8 +145,8 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         13: "top_logprobs must be between 0 and 20, got 30",
         14: "input[0].role must be one of user, system, developer, assistant, got 'tool'",
         15: "unsupported field 'conversation' (a batch keeps no conversations: give the whole conversation in "
-            "input); unsupported field 'prompt' (stored prompt templates are not available: give the text in "
-            "instructions and input)",
+            "input); unsupported field 'modalities'; unsupported field 'prompt' (stored prompt templates are not "
+            "available: give the text in instructions and input)",
         16: "tools[0].name must be 1 to 64 letters, digits, _ or -, got 'bad name'",
         17: "instructions must be a non-empty string, got 5; tools[0].parameters must be a JSON schema object, "
             "got 'city'",
