@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from jobs.answer_fields import FUNCTION_NAME
 from jobs.input_fields import content_text, tool_call_arguments
-from jobs.request_fields import IGNORED_BODY_KEYS, Bad, check, describe, encodable, string
+from jobs.request_fields import IGNORED_BODY_KEYS, Bad, check, describe, string
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 FORCED_CALL = '{"type": "function", "name": ...}'   # a forced tool_choice, as this API writes it
@@ -97,9 +97,9 @@ def _messages(given: dict, max_chars: int) -> list[dict] | None:
         return None
     messages = []
     if given.get("instructions", "") != "":   # an empty one is none
-        messages.append({"role": "system", "content": _string("instructions", given["instructions"])})
+        messages.append({"role": "system", "content": string("instructions", given["instructions"], max_chars)})
     if isinstance(items, str):
-        items = [{"role": "user", "content": _string("input", items)}]
+        items = [{"role": "user", "content": string("input", items, max_chars)}]
     elif not isinstance(items, list) or not items:
         raise Bad(f"input must be a string or a non-empty list of items, got {describe(items)}")
     for i, item in enumerate(items):
@@ -110,14 +110,14 @@ def _messages(given: dict, max_chars: int) -> list[dict] | None:
         if kind == "message":
             messages.append(_message(where, item))
         elif kind == "function_call":
-            call = _function_call(where, item)
+            call = _function_call(where, item, max_chars)
             previous = messages[-1] if messages else None
             if previous is not None and previous.get("tool_calls") and not previous["content"]:
                 previous["tool_calls"].append(call)   # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append(_function_call_output(where, item))
+            messages.append(_function_call_output(where, item, max_chars))
         elif kind == "item_reference":
             raise Bad(f"{where} is an item_reference: a batch keeps no stored items; give the item itself")
         else:
@@ -134,10 +134,7 @@ def _message(where: str, item: dict) -> dict:
     role = item.get("role")
     if role not in _MESSAGE_ROLES:
         raise Bad(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {describe(role)}")
-    # An earlier response's output message, given back whole, also has its id and status.
-    extra = sorted(k for k in item.keys() - {"type", "role", "content", "id", "status"} if item[k] is not None)
-    if extra:
-        raise Bad(f"{where} has unsupported field {extra[0]!r}")
+    _no_other_fields(where, item, {"role", "content"})
     return {"role": role, "content": _content(f"{where}.content", item.get("content"))}
 
 
@@ -146,12 +143,10 @@ def _content(where: str, content) -> str:
     return content_text(where, content, _TEXT_PARTS, _GIVEN_BACK)
 
 
-def _function_call(where: str, item: dict) -> dict:
-    extra = sorted(k for k in item.keys() - {"type", "call_id", "name", "arguments", "id", "status"}
-                   if item[k] is not None)
-    if extra:
-        raise Bad(f"{where} has unsupported field {extra[0]!r}")
-    call_id, name = _string(f"{where}.call_id", item.get("call_id")), _string(f"{where}.name", item.get("name"))
+def _function_call(where: str, item: dict, max_chars: int) -> dict:
+    _no_other_fields(where, item, {"call_id", "name", "arguments"})
+    call_id = string(f"{where}.call_id", item.get("call_id"), max_chars)
+    name = string(f"{where}.name", item.get("name"), max_chars)
     arguments = item.get("arguments")
     if not isinstance(arguments, str):
         raise Bad(f"{where}.arguments must be a string of JSON, got {describe(arguments)}")
@@ -159,11 +154,9 @@ def _function_call(where: str, item: dict) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _function_call_output(where: str, item: dict) -> dict:
-    extra = sorted(k for k in item.keys() - {"type", "call_id", "output", "id", "status"} if item[k] is not None)
-    if extra:
-        raise Bad(f"{where} has unsupported field {extra[0]!r}")
-    return {"role": "tool", "tool_call_id": _string(f"{where}.call_id", item.get("call_id")),
+def _function_call_output(where: str, item: dict, max_chars: int) -> dict:
+    _no_other_fields(where, item, {"call_id", "output"})
+    return {"role": "tool", "tool_call_id": string(f"{where}.call_id", item.get("call_id"), max_chars),
             "content": _content(f"{where}.output", item.get("output"))}
 
 
@@ -241,8 +234,9 @@ def _logprobs(given: dict, chat: dict, problems: list[str]) -> None:
             chat["top_logprobs"] = given["top_logprobs"]
 
 
-def _string(name: str, v) -> str:
-    if not isinstance(v, str) or not v:
-        raise Bad(f"{name} must be a non-empty string, got {describe(v)}")
-    encodable(name, v)
-    return v
+def _no_other_fields(where: str, item: dict, fields: set[str]) -> None:
+    """An input item holds its type and `fields`; an earlier response's output item, given back
+    whole, also its id and status; any other field only as null."""
+    extra = sorted(k for k in item.keys() - fields - {"type", "id", "status"} if item[k] is not None)
+    if extra:
+        raise Bad(f"{where} has unsupported field {extra[0]!r}")

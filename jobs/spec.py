@@ -222,8 +222,9 @@ class _Reader:
         if not _SHAPING_KEYS.isdisjoint(req):   # most lines ask for none of these: their checks are skipped
             structured = structured_output(req, problems, labels)
             endpoint = self.endpoint if fmt == "openai" else None
-            logprobs = logprobs_setting(req, _FIELDS_OF.get(endpoint, endpoint), problems)
-            echo = echo_setting(req, _FIELDS_OF.get(endpoint, endpoint), problems)
+            fields_of = _FIELDS_OF.get(endpoint, endpoint)   # the endpoint whose fields the line's are
+            logprobs = logprobs_setting(req, fields_of, problems)
+            echo = echo_setting(req, fields_of, problems)
             tools, tool_call, tool_spec = forced_tool(req, problems, _FORCED_CALL.get(endpoint, CHAT_FORCED_CALL))
         if tool_spec is not None:
             if structured is not None:
