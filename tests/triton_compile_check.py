@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 TARGETS = (80, 90)   # sm_80 (A100), sm_90 (H100, H200)
+# Kernels for some GPUs only: float8 conversions need sm_89 (fp8 quantization refuses older GPUs).
+ONLY_ON = {"quantize_fp8_rows": (90,)}
 SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 2048, 8192),   # heads, kv, dim,
           "llama-3.1-8b": (32, 8, 128, 4096, 14336)}                                         # hidden, mlp
 
@@ -29,7 +31,12 @@ DIVISIBLE = {"_paged_decode_kernel": {"stride_q_tok", "stride_q_head", "stride_k
                                       "stride_k_head", "stride_v_block", "stride_v_slot", "stride_v_head",
                                       "stride_out_tok", "stride_out_head", "stride_out_split"},
              "_add_rms_norm_kernel": {"dim"}, "_silu_and_mul_kernel": {"inter"},
-             "_rotary_write_kv_kernel": {"stride_qkv"}}
+             "_rotary_write_kv_kernel": {"stride_qkv"}, "_quantize_fp8_rows_kernel": {"cols", "out_cols", "stride_x"}}
+
+
+def targets(variant: str) -> tuple[int, ...]:
+    """The architectures a variant is compiled for."""
+    return ONLY_ON.get(variant.split("/")[0], TARGETS)
 
 
 def variants():
@@ -45,7 +52,8 @@ def variants():
                        dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}",
                             out_ptr=f"*{dtype}" if splits == 1 else "*fp32", lse_ptr="*fp32",
                             block_table_ptr="*i32", seqused_ptr="*i32", scale="fp32"),
-                       dict(**decode.tile_shape(heads, kv_heads, head_dim), PAGE=16, SPLITS=splits), {})
+                       dict(**decode.tile_shape(heads, kv_heads, head_dim), PAGE=16, SPLITS=splits),
+                       decode.launch_options())
         for dtype in ("bf16", "fp32"):
             t = f"*{dtype}"
             block, warps = pointwise.norm_launch(hidden)
@@ -58,6 +66,12 @@ def variants():
             yield (f"rotary_write_kv/{model}/{dtype}", "pointwise_triton._rotary_write_kv_kernel",
                    dict(qkv_ptr=t, cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", k_cache_ptr=t, v_cache_ptr=t),
                    pointwise.rotary_shape(heads, kv_heads, head_dim), {})
+            for width in (hidden, inter):   # the inputs of qkv/gate_up and of down_proj
+                block, warps = pointwise.norm_launch(width)
+                yield (f"quantize_fp8_rows/{model}/{dtype}/{width}", "pointwise_triton._quantize_fp8_rows_kernel",
+                       dict(x_ptr=t, out_ptr="*fp8e4nv", scale_ptr="*fp32", min_amax="fp32", fp8_max="fp32",
+                            inv_fp8_max="fp32"),
+                       dict(BLOCK=block), dict(num_warps=warps))
 
 
 def main() -> None:
@@ -75,7 +89,7 @@ def main() -> None:
         divisible = DIVISIBLE[kernel.fn.__name__]
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names)
                  if signature[arg].startswith("*") or arg in divisible}
-        for arch in TARGETS:
+        for arch in targets(name):
             usage = {}
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),

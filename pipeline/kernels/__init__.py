@@ -1,7 +1,8 @@
 """Hand-written CPU kernels, built on first use with the system C compiler (this module).
 Beside them, two Triton modules for CUDA, imported only there: paged_decode_triton.py
 (decode attention for torch 2.10/2.11's varlen backend) and pointwise_triton.py (the
-layer's elementwise steps fused as these C kernels fuse them; `triton_pointwise`).
+layer's elementwise steps fused as these C kernels fuse them, `triton_pointwise`; fp8
+linears' activation quantization, `triton_fp8_rows`).
 
 paged_attention.c: decode attention reading the paged KV cache in place.
 quantize_rows.c: per-token uint8 quantization of a linear's input and the per-token
@@ -142,6 +143,18 @@ def triton_pointwise(*tensors: torch.Tensor):
     except ImportError:   # no Triton
         return None
     return pointwise_triton if pointwise_triton.serves(*tensors) else None
+
+
+def triton_fp8_rows(x: torch.Tensor):
+    """pointwise_triton where its fp8 row quantization serves x (a CUDA tensor of a float
+    dtype, Triton imports, its probe passed on that device), else None."""
+    if not x.is_cuda:
+        return None
+    try:
+        from pipeline.kernels import pointwise_triton
+    except ImportError:   # no Triton
+        return None
+    return pointwise_triton if x.dtype in pointwise_triton.DTYPES and pointwise_triton.fp8_usable(x.device) else None
 
 
 def available() -> bool:

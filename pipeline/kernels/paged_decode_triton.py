@@ -27,9 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_ELEMENTS = 4096  # keys per iteration x head_dim: 64 keys of 64, 32 of 128
+# The launch's tuning: module attributes read at each launch, which
+# benchmarks/paged_decode_sweep.py varies on a GPU. On an H200 (torch 2.11, Triton 3.6), one
+# 1B-shaped layer, 256 sequences of 128-640 keys, in a CUDA graph: 61.5 us (78% of the HBM
+# bandwidth) with these, the fastest of the sweep, against 63.2-63.5 us with Triton's
+# default 3 stages (16 sequences: 15.8 against 16.3 us); 8 warps or 1 stage were the
+# slowest (73-92 us), more programs an SM (more splits) slower too. Loading the values with
+# the keys instead of after the scores measured the same (63.2 against 63.3 us).
+TILE_ELEMENTS = 4096  # keys per iteration x head_dim: 64 keys of 64, 32 of 128 (at most 64)
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 4   # splits are added until the grid has about this many programs per SM
+NUM_WARPS, NUM_STAGES = 4, 2
 
 
 @triton.jit
@@ -99,6 +107,11 @@ def tile_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
                 HEAD_DIM_PAD=head_dim_pad, BLOCK=max(16, min(64, TILE_ELEMENTS // head_dim_pad)))
 
 
+def launch_options() -> dict:
+    """Warps a program and software-pipeline stages of its loop."""
+    return dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
 def num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per sequence: 1 once the batch alone gives every SM PROGRAMS_PER_SM
     programs, else the power of two that reaches that (a function of the batch size only,
@@ -140,7 +153,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        **tile_shape(num_heads, num_kv_heads, head_dim), PAGE=block_size, SPLITS=splits)
+        **tile_shape(num_heads, num_kv_heads, head_dim), PAGE=block_size, SPLITS=splits, **launch_options())
     if splits == 1:
         return out.squeeze(2)
     return merge_splits(out, lse).to(q.dtype)

@@ -12,6 +12,9 @@ These cut them to three:
   index copies). The layout is the varlen backends' [blocks, block_size, kv_heads,
   head_dim]; rotary pairs are adjacent (RotaryEmbedding interleaves the checkpoint's rows).
 Each computes in float32 and rounds once per output, as the C kernels do.
+- quantize_fp8_rows: fp8 linears' activations, a scale per row (weight_quant.py), in one
+  pass instead of eight PyTorch ops. It has a probe of its own (`fp8_usable`: bit-equal
+  to the PyTorch formula), as only Ada and Hopper convert to float8.
 
 `serves(t)` says whether they run for a tensor: a CUDA tensor in float16, bfloat16 or
 float32, where Triton imports and a probe (each kernel once against its PyTorch formula,
@@ -87,6 +90,20 @@ def _rotary_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_
     tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF) + v_head * (2 * HALF) + col, v, mask=v_ok)
 
 
+@triton.jit
+def _quantize_fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x, out_cols, min_amax, fp8_max,
+                              inv_fp8_max, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + c, mask=c < cols, other=0.0).to(tl.float32)   # zeros past cols: padding
+    # The same bits as PyTorch's: times the reciprocal for the scale (weight_quant says why), then
+    # a correctly rounded division (a plain `/` is approximate in Triton).
+    scale = tl.maximum(tl.max(tl.abs(x), 0), min_amax) * inv_fp8_max
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+    tl.store(out_ptr + row * out_cols + c, q.to(out_ptr.dtype.element_ty), mask=c < out_cols)
+    tl.store(scale_ptr + row, scale)
+
+
 # Each kernel's compile-time constants for a shape: the launches below take them, and so
 # does tests/triton_compile_check.py, which compiles what they launch.
 
@@ -141,6 +158,45 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     _rotary_write_kv_kernel[(qkv.shape[0],)](
         qkv, cos.contiguous(), sin.contiguous(), slot_mapping, k_cache, v_cache, qkv.stride(0),
         **rotary_shape(num_heads, num_kv_heads, head_dim))
+
+
+def quantize_fp8_rows(x: torch.Tensor, out_cols: int, max_value: float, min_amax: float,
+                      out_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] (rows may be a stride apart) -> (q [rows, out_cols] out_dtype, scale
+    [rows, 1] float32) with scale = max(max|row|, min_amax) * (1 / max_value) and q = x / scale
+    clamped to +-max_value, zero past cols. out_dtype float32 keeps q before the cast (how
+    the tests check the arithmetic: Triton's interpreter casts to float8 wrongly)."""
+    rows, cols = x.shape
+    if x.stride(-1) != 1 or out_cols < cols:
+        raise ValueError("quantize_fp8_rows needs contiguous rows and out_cols >= their length")
+    out = torch.empty((rows, out_cols), dtype=out_dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    block, warps = norm_launch(out_cols)
+    _quantize_fp8_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out_cols, min_amax, max_value,
+                                       1.0 / max_value, BLOCK=block, num_warps=warps)
+    return out, scale
+
+
+@functools.cache
+def fp8_usable(device: torch.device) -> bool:
+    """quantize_fp8_rows once against the PyTorch formula on this device: the same bits
+    (a zero row and padding included), else said once in the log and False."""
+    gen = torch.Generator().manual_seed(0)
+    problem = None
+    try:
+        x = (torch.randn(4, 40, generator=gen) * 3).to(device, torch.bfloat16)
+        x[1] = 0
+        got, got_scale = quantize_fp8_rows(x, 48, 448.0, 1e-12)
+        xf = torch.nn.functional.pad(x, (0, 8)).float()
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) * (1.0 / 448.0)
+        want = (xf / scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+        if not (torch.equal(got_scale, scale) and torch.equal(got.view(torch.uint8), want.view(torch.uint8))):
+            problem = "quantize_fp8_rows differs from PyTorch's"
+    except Exception as e:   # no float8 conversion on this GPU, a compile error, ...
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if problem is not None:
+        log.warning("fp8 activation quantization (Triton) off on %s, the PyTorch ops run instead: %s", device, problem)
+    return problem is None
 
 
 def serves(*tensors: torch.Tensor) -> bool:

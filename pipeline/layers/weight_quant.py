@@ -5,7 +5,7 @@ head and the embeddings stay in the compute dtype). The quantization arithmetic 
 function per mode (`quantize_fp8_rows`, `quantize_int8_rows`, `quantize_int4_groups`), run
 wherever the weight is, so a CPU and a GPU hold the same numbers; only the matrix product
 differs by device, and `reference()` is what the CUDA op computes, written in plain
-PyTorch (the tests compare the CPU op with it; there is no GPU to compare on here).
+PyTorch (the tests compare the CPU op with it; benchmarks/gpu_check.py the CUDA op).
 
 - fp8 (Fp8Linear): weights float8 e4m3 with a float32 scale per output channel,
   activations quantized per token (dynamic) at each call; `torch._scaled_mm` row-wise on
@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline import kernels
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # largest finite e4m3fn
 FP8_MIN_AMAX = 1e-12       # a zero row gets this amax (its values stay 0), never a 0 scale
@@ -56,7 +58,9 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channel) once at load and for the activations (a row: a token) at every call."""
     xf = x.float()
     # abs().amax(): the inf-norm's value; torch.linalg's inf-norm measured 16x slower on a CPU
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=FP8_MIN_AMAX) / FP8_MAX
+    # Times the reciprocal, not divided: PyTorch's CUDA division by a number multiplies by
+    # its reciprocal, so written so the CPU, CUDA and the Triton kernel give the same bits.
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=FP8_MIN_AMAX) * (1.0 / FP8_MAX)
     # The clamp only catches rounding at the edge: e4m3fn has no infinity (above 448: NaN).
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -189,7 +193,11 @@ class Fp8Linear(QuantizedLinear):
         return x.dtype
 
     def matmul(self, x):
-        x8, x_scale = quantize_fp8_rows(self.pad_input(x, self.weight.shape[1]))
+        fused = kernels.triton_fp8_rows(x)
+        if fused is not None:   # CUDA: one kernel for the eight ops below
+            x8, x_scale = fused.quantize_fp8_rows(x, self.weight.shape[1], FP8_MAX, FP8_MIN_AMAX)
+        else:
+            x8, x_scale = quantize_fp8_rows(self.pad_input(x, self.weight.shape[1]))
         y = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                              out_dtype=self._out_dtype(x))
         return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
 from pipeline.kernels import pointwise_triton
+from pipeline.layers import weight_quant as wq
 from pipeline.layers.attention import LayerCache
 from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenMetadata
 from pipeline.models.llama import apply_rotary
@@ -109,10 +110,29 @@ def test_the_probe_names_a_wrong_kernel(monkeypatch, name):
     assert pointwise_triton.probe(CPU, torch.float32) == f"{name} differs from PyTorch's"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_rows_computes_the_pytorch_formulas_bits_before_the_cast(dtype):
+    """weight_quant.quantize_fp8_rows on the padded rows (a zero row, rows a stride apart):
+    the same scales and the same values before the cast to float8, bit for bit (the
+    interpreter's float8 cast is wrong, so the cast itself is checked by fp8_usable's probe
+    on the GPU it runs on)."""
+    gen = torch.Generator().manual_seed(2)
+    wide = (torch.randn(4, 64, generator=gen) * 5).to(dtype)
+    wide[2] = 0
+    x = wide[:, :37]   # rows 64 apart
+    got, got_scale = pointwise_triton.quantize_fp8_rows(x, 48, wq.FP8_MAX, wq.FP8_MIN_AMAX, out_dtype=torch.float32)
+    padded = F.pad(x, (0, 11)).float()
+    _, want_scale = wq.quantize_fp8_rows(padded)
+    assert torch.equal(got_scale, want_scale) and want_scale[2].item() > 0
+    assert torch.equal(got, (padded / want_scale).clamp(-wq.FP8_MAX, wq.FP8_MAX))
+    assert torch.equal(got[:, 37:], torch.zeros(4, 11)) and not got[2].any()
+
+
 def test_they_serve_cuda_tensors_only():
     x = torch.zeros(2, 8)
     assert not pointwise_triton.serves(x)
     assert kernels.triton_pointwise(x) is None
+    assert kernels.triton_fp8_rows(x) is None
 
 
 def test_an_engine_through_the_fused_kernels_decodes_the_pytorch_paths_tokens(tiny_model_dir, monkeypatch):
