@@ -6,8 +6,10 @@ what a decode step would otherwise run on this torch; and the fused elementwise 
 One Llama-3.2-1B-shaped layer's decode attention (32 query heads over 8 KV heads of 64) in
 bf16, block size 16, each sequence's pages scattered over the pool: 256 sequences of 128 to
 640 keys, then 16 sequences (where the kernel splits each sequence's keys). The line
-reports each kernel's microseconds (median of CUDA-event timings), the context's bytes
-read over that time as a share of HBM_BYTES_S, and the alternatives':
+reports each kernel's microseconds (median of CUDA-event timings of eager calls, launch
+latency included, as the alternatives below are timed; `triton_graphed_us`: in a CUDA
+graph, as a decode step runs it), the context's bytes read over that time as a share of
+HBM_BYTES_S, and the alternatives':
 - `gathered_us`: pages gathered into packed keys, then torch's packed varlen_attn (what a
   2.10/2.11 decode step runs without the kernel: varlen_packed.py);
 - `paged_flash_us`: FlashAttention-2 reading the pages (torch >= 2.12 only, 256-key pages).
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_quant import timed
+from gpu_quant import graphed_us, timed
 from gpu_report import report
 from gpu_speed import HBM_BYTES_S
 from pipeline.layers.attention import LayerCache
@@ -73,9 +75,13 @@ def check_decode_kernel(run) -> None:
         got = paged_decode_attention(q, cache.k, cache.v, meta.block_table, meta.seqused_k, scale)
         errors.append((got.float() - want).abs().max().item())
         kv_bytes = 2 * int(meta.seqused_k.sum()) * HEADS[1] * HEADS[2] * cache.k.element_size()
-        row = dict(triton_us=round(timed(lambda: paged_decode_attention(q, cache.k, cache.v, meta.block_table,
-                                                                        meta.seqused_k, scale), device, iters), 1))
+        def triton():
+            return paged_decode_attention(q, cache.k, cache.v, meta.block_table, meta.seqused_k, scale)
+        row = dict(triton_us=round(timed(triton, device, iters), 1))
         row["triton_hbm_share"] = round(kv_bytes / (row["triton_us"] * 1e-6) / HBM_BYTES_S, 3)
+        if device == "cuda":   # as a decode step runs it: in a CUDA graph, no launch latency
+            row["triton_graphed_us"] = round(graphed_us(triton, device), 1)
+            row["triton_graphed_hbm_share"] = round(kv_bytes / (row["triton_graphed_us"] * 1e-6) / HBM_BYTES_S, 3)
         if device == "cuda" and kind == PACKED:
             gathering = PackedVarlenBackend()
             layout_meta = with_key_slots(meta, int(meta.seqused_k.sum()), 16)

@@ -21,14 +21,16 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
 - paged_decode_kernel (gpu_attention.py): the Triton paged decode kernel that torch
   2.10/2.11's decode steps use, against the reference backend on a 1B-shaped layer in bf16,
   and its microseconds against gathering the pages for torch's packed varlen_attn (or
-  against the paged FlashAttention-2 of torch >= 2.12). On a CPU under Triton's interpreter.
+  against the paged FlashAttention-2 of torch >= 2.12), eagerly, and in a CUDA graph as
+  decode steps run it. On a CPU under Triton's interpreter.
 - pointwise_kernels (gpu_attention.py): the fused elementwise kernels (norms with the
   residual add, rotary + cache write, SiLU-and-multiply) against PyTorch's ops, 16
   1B-shaped layers at 256 rows captured in a CUDA graph each way: microseconds per layer.
 - speed (gpu_speed.py): a Llama-3.2-1B-shaped random bf16 model, 256 sequences, 128-token
   prompts, 512-token outputs (--quick: 64 x 128 x 128 on CUDA; a small model on a CPU):
   output tok/s and its share of the HBM roofline (target 0.40), then Hugging Face
-  continuous batching on the same GPU in bf16 (target: ours at least 5x); then a long job's
+  continuous batching on the same GPU in bf16 (target: ours at least 5x), then a steady
+  step's wall time against its graphed forward's GPU time (CUDA only); then a long job's
   refill (2,048 W1-shaped requests through 256 sequences) admitted one by one and in the
   engine's groups, A B A B: output tok/s and steps replayed from graphs (measured, no target);
   then overlapped steps off and on, A B A B on 256 x 128 x 128: the same greedy tokens (the
@@ -41,7 +43,7 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
   (gpu_quant.py), and throughput_<mode> on throughput_pipeline's workload against its bf16
   number (fp8's target: 1.0x or more).
 A wall-clock budget (--budget-s, 450 s) skips what no longer fits and stops a check that
-overruns; the summary still prints.
+overruns; the summary still prints. --only runs the named checks (CHECKS) alone.
 """
 from __future__ import annotations
 
@@ -378,6 +380,8 @@ CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_nume
           ("paged_decode_kernel", gpu_attention.check_decode_kernel, 15),
           ("pointwise_kernels", gpu_attention.check_pointwise_kernels, 10),
           ("throughput_pipeline", gpu_speed.check_speed, 90),
+          ("throughput_hf_continuous_batching", gpu_speed.check_hf_peer, 80),
+          ("decode_step_split", gpu_speed.check_step_split, 20),
           ("refill_admission_groups", gpu_speed.check_refill, 60),
           ("overlapped_steps", gpu_speed.check_overlap, 40),
           ("quantized_at_load", check_quantized, 30),
@@ -401,6 +405,8 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (about a minute on a CPU)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of all checks")
+    ap.add_argument("--only", help="comma-separated check names (CHECKS) to run, the rest left out; "
+                                   "throughput_quantized needs throughput_pipeline")
     ap.add_argument("--tokenizer", help="a folder with tokenizer.json  [default: .gpu-carry/tokenizer, else the "
                                         "converted bundled model]")
     args = ap.parse_args()
@@ -438,7 +444,12 @@ def run_checks(run: Run) -> None:
     attention_log = logging.getLogger("pipeline.layers.attention")
     attention_log.setLevel(logging.INFO)
     attention_log.addHandler(LogLines(run.log_lines))
+    only = set(run.args.only.split(",")) if run.args.only else {name for name, _, _ in CHECKS}
+    if unknown := only - {name for name, _, _ in CHECKS}:
+        raise ValueError(f"--only: no check named {', '.join(sorted(unknown))}")
     for i, (name, check, need_s) in enumerate(CHECKS):
+        if name not in only:
+            continue
         if run.left() < need_s:
             report(name, "skipped", reason=f"wall-clock budget: {run.left():.0f} s left, it needs about {need_s} s")
             continue
@@ -448,7 +459,8 @@ def run_checks(run: Run) -> None:
             signal.setitimer(signal.ITIMER_REAL, 0)   # stopped: no repeat while the rest is reported
             report(name, "error", error=str(e))
             for later, _, _ in CHECKS[i + 1:]:
-                report(later, "skipped", reason=str(e))
+                if later in only:
+                    report(later, "skipped", reason=str(e))
             return
         except Exception as e:
             report(name, "error", error=f"{type(e).__name__}: {e}"[:400],

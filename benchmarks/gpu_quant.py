@@ -25,6 +25,7 @@ from torch import nn
 import gpu_models
 import gpu_speed
 from gpu_report import BudgetExceeded, report
+from pipeline import kernels
 from pipeline.layers import weight_quant as wq
 
 QUANT_MODES = ("fp8", "w8a16", "w4a16")
@@ -62,6 +63,8 @@ def check_reference(run) -> None:
         else [(37, 53, True), (256, 768, False)]
     torch.manual_seed(0)
     worst: dict[str, float] = {}
+    by_shape: dict[str, dict[str, float]] = {}   # mode -> "KxN/rows" -> worst row error
+    fp8_exact: dict[str, dict[str, float]] = {}  # fp8's device op and reference against float64
     raised: dict[str, str] = {}
     for mode in modes:
         try:   # one mode that raises must not hide the others' figures
@@ -77,7 +80,14 @@ def check_reference(run) -> None:
                         got, want = layer(x.to(device)).cpu().float(), on_cpu.reference(x).float()
                     error = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
                     # max() drops a NaN (max(0.0, nan) is 0.0): a NaN kernel must fail, not pass
-                    worst[mode] = max(worst.get(mode, 0.0), error if math.isfinite(error) else math.inf)
+                    error = error if math.isfinite(error) else math.inf
+                    worst[mode] = max(worst.get(mode, 0.0), error)
+                    by_shape.setdefault(mode, {})[f"{k}x{n}/{rows}"] = float(f"{error:.3g}")
+                    if mode == "fp8":   # which side is off: the product of the same fp8 tensors in float64
+                        exact = fp8_float64(on_cpu, x)
+                        for side, value in (("device", got), ("reference", want)):
+                            e = ((value.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
+                            fp8_exact.setdefault(side, {})[f"{k}x{n}/{rows}"] = float(f"{e:.3g}")
         except BudgetExceeded:
             raise
         except Exception as e:
@@ -87,7 +97,15 @@ def check_reference(run) -> None:
     report("quantized_kernels_equal_reference", "passed" if ok else "failed", device=run.device,
            shapes=[list(s) for s in shapes], rows=[1, 16, 256],
            worst_row_error={m: float(f"{e:.3g}") for m, e in worst.items()}, bounds=REFERENCE_BOUND, skipped=skipped,
-           raised=raised)
+           raised=raised, by_shape=by_shape, fp8_against_float64=fp8_exact)
+
+
+def fp8_float64(layer: wq.Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The fp8 layer's output from its quantized tensors, the products summed in float64."""
+    x8, x_scale = wq.quantize_fp8_rows(layer.pad_input(x.reshape(-1, layer.in_features), layer.weight.shape[1]))
+    y = (x8.double() @ layer.weight.double().t()) * x_scale.double() * layer.weight_scale.double()
+    y = y[:, :layer.out_features]
+    return y if layer.bias is None else y + layer.bias.double()
 
 
 # ---- the kernels of one decoder layer ------------------------------------------------------------
@@ -116,6 +134,30 @@ def timed(fn, device: str, iters: int) -> float:
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def graphed_us(fn, device: str, launches: int = 20, replays: int = 5) -> float:
+    """Median microseconds of fn() as a decode step runs it: `launches` calls captured in one
+    CUDA graph, so no launch latency is counted (timed() counts it: a Triton launch's
+    Python alone is tens of microseconds). Off CUDA, timed() once."""
+    if device != "cuda":
+        return timed(fn, device, 1)
+    fn()   # compiles, warms
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / launches)
     return statistics.median(times)
 
 
@@ -224,30 +266,40 @@ def check_throughput(run) -> None:
         return
     base = speed["ours"]
     per_mode_s = 75 if run.device == "cuda" else 30
-    for mode in modes:
+    # On CUDA, fp8 once more with its activations quantized by PyTorch's ops instead of the
+    # Triton kernel (pointwise_triton.quantize_fp8_rows), for what the kernel buys.
+    runs = [(f"throughput_{m}", m) for m in modes]
+    if run.device == "cuda" and "fp8" in modes:
+        runs.insert(modes.index("fp8") + 1, ("throughput_fp8_pytorch_activation_quant", "fp8"))
+    for name, mode in runs:
         left = run.left()
         if left < 45:   # an engine build and its graph capture come before the timed part
-            report(f"throughput_{mode}", "skipped", reason=f"wall-clock budget: {left:.0f} s left")
+            report(name, "skipped", reason=f"wall-clock budget: {left:.0f} s left")
             continue
         deadline = time.monotonic() + min(per_mode_s, left - 10)
+        fused = kernels.triton_fp8_rows
+        if name.endswith("pytorch_activation_quant"):
+            kernels.triton_fp8_rows = lambda x: None   # what weight_quant.Fp8Linear asks
         try:
             ours = gpu_speed.run_pipeline(speed["model_dir"], run.device, speed["prompts"], speed["output_len"],
                                           deadline, quantization=mode)
         except BudgetExceeded:
             raise
         except Exception as e:   # the next mode still runs
-            report(f"throughput_{mode}", "error", error=f"{type(e).__name__}: {e}")
+            report(name, "error", error=f"{type(e).__name__}: {e}")
             gpu_speed.free_memory()
             continue
+        finally:
+            kernels.triton_fp8_rows = fused
         ratio = ours["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else float("nan")
         gpu = run.device == "cuda"
         comparable = not ours["truncated_by_budget"] and not base.get("truncated_by_budget")
-        if gpu and mode == "fp8" and comparable and not ours["errors"]:
+        if gpu and name == "throughput_fp8" and comparable and not ours["errors"]:
             status = "passed" if ratio >= FP8_THROUGHPUT_TARGET else "failed"
         else:
             status = "measured"
-        report(f"throughput_{mode}", status, device=run.device, model=speed["model"], quantization=mode,
+        report(name, status, device=run.device, model=speed["model"], quantization=mode,
                sequences=len(speed["prompts"]), prompt_tokens=len(speed["prompts"][0]),
                output_tokens_each=speed["output_len"], **ours, unquantized_output_tok_s=base["output_tok_s"],
                unquantized_weight_bytes=base["weight_bytes"], ratio_vs_unquantized=round(ratio, 3),
-               target=FP8_THROUGHPUT_TARGET if mode == "fp8" else None)
+               target=FP8_THROUGHPUT_TARGET if name == "throughput_fp8" else None)

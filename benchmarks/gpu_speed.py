@@ -35,7 +35,7 @@ def check_speed(run) -> None:
     dtype = torch.bfloat16 if run.device == "cuda" else torch.float32
     model_dir = gpu_models.build_model(run.tmp / "speed", shape, run.tokenizer, dtype, device=run.device)
     prompts = workload(n, prompt_len)
-    reserve = 90 if run.device == "cuda" else 15   # seconds kept for the HF peer
+    reserve = 90 if run.device == "cuda" else 15   # seconds kept for the HF peer (the next check)
     ours = run_pipeline(model_dir, run.device, prompts, output_len, run.deadline - reserve)
     # What gpu_quant.check_throughput runs each quantization mode on, and compares with.
     run.speed = dict(model_dir=model_dir, prompts=prompts, output_len=output_len, ours=ours,
@@ -48,20 +48,71 @@ def check_speed(run) -> None:
            dtype=str(dtype).removeprefix("torch."), sequences=n, prompt_tokens=prompt_len,
            output_tokens_each=output_len, **ours, roofline_output_tok_s=round(roof, 1) if gpu else None,
            roofline_fraction=round(fraction, 4) if gpu else None, target=ROOFLINE_TARGET, hbm_bytes_s=HBM_BYTES_S)
+
+
+def check_hf_peer(run) -> None:
+    """Hugging Face continuous batching on throughput_pipeline's model and workload, and
+    our output tok/s over its (needs throughput_pipeline to have run in this process)."""
+    speed = getattr(run, "speed", None)
+    if speed is None:
+        report("throughput_hf_continuous_batching", "skipped", reason="throughput_pipeline did not run")
+        return
     try:
-        if run.left() < 30:
-            report("throughput_hf_continuous_batching", "skipped", reason=f"wall-clock budget: {run.left():.0f} s left")
-            return
-        theirs = run_hf_continuous_batching(model_dir, run.device, prompts, output_len)
+        theirs = run_hf_continuous_batching(speed["model_dir"], run.device, speed["prompts"], speed["output_len"])
     except BudgetExceeded:
         raise
     except Exception as e:
         report("throughput_hf_continuous_batching", "error", error=f"{type(e).__name__}: {e}"[:400])
         return
     report("throughput_hf_continuous_batching", "measured", device=run.device, **theirs)
-    ratio = ours["output_tok_s"] / theirs["output_tok_s"]
+    ratio = speed["ours"]["output_tok_s"] / theirs["output_tok_s"]
     status = ("passed" if ratio >= HF_RATIO_TARGET else "failed") if run.device == "cuda" else "measured"
     report("throughput_vs_hf_continuous_batching", status, ratio=round(ratio, 2), target=HF_RATIO_TARGET)
+
+
+def check_step_split(run) -> None:
+    """Where a steady decode step's time goes (CUDA only): throughput_pipeline's workload run
+    to its middle (each sequence about prompt + output/2 tokens long: the average step),
+    then 32 steps' wall time as the engine runs them (overlapped), against the GPU time of
+    the step's forward alone (its CUDA graph replayed 32 times on the last step's inputs;
+    the LM head and the sampler are outside the graph). Wall time well above the graph's
+    is the host's share: what the GPU waits on."""
+    speed = getattr(run, "speed", None)
+    if run.device != "cuda" or speed is None:
+        report("decode_step_split", "skipped", reason="CUDA only, after throughput_pipeline")
+        return
+    prompts, output_len = speed["prompts"], speed["output_len"]
+    engine = pipeline_engine(speed["model_dir"], run.device, prompts, output_len)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(f"r{i}", prompt_token_ids=p, params=greedy))
+        for _ in range(output_len // 2):
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(32):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) / 32 * 1e3
+        graphs = engine.runner.graphs
+        bucket = graphs.bucket(len(prompts)) if graphs is not None else None
+        graph_ms = None
+        if bucket in getattr(graphs, "graphs", {}):
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
+            for _ in range(32):
+                graphs.graphs[bucket].replay()
+            last.record()
+            last.synchronize()
+            graph_ms = first.elapsed_time(last) / 32
+        report("decode_step_split", "measured", sequences=len(prompts), context_tokens=len(prompts[0]) + output_len // 2,
+               step_wall_ms=round(wall_ms, 3), graph_forward_ms=graph_ms and round(graph_ms, 3),
+               wall_over_graph=graph_ms and round(wall_ms / graph_ms, 2))
+    finally:
+        engine.abort([s.request_id for s in engine.scheduler.unfinished()])
+        del engine
+        free_memory()
 
 
 def check_refill(run) -> None:
@@ -208,15 +259,19 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def pipeline_engine(model_dir, device: str, prompts: list[list[int]], output_len: int,
+                    quantization: str = "none") -> Engine:
+    """The engine run_pipeline times: room for every prompt at once and its output_len tokens."""
+    return Engine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                               max_model_len=len(prompts[0]) + output_len, max_num_seqs=len(prompts),
+                               kv_cache_gib=16 if device == "cuda" else 1, quantization=quantization))
+
+
 def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: int, deadline: float,
                  quantization: str = "none") -> dict:
     """Every prompt queued at once, greedy, exactly output_len tokens each (ignore_eos),
     stepped until done or the deadline; counts the steps replayed from CUDA graphs."""
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    max_len = len(prompts[0]) + output_len
-    engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len,
-                                 max_num_seqs=len(prompts), kv_cache_gib=16 if device == "cuda" else 1,
-                                 quantization=quantization))
+    engine = pipeline_engine(model_dir, device, prompts, output_len, quantization)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         list(engine.generate([Request(f"warm{i}", prompt_token_ids=p, params=SamplingParams(temperature=0.0,
