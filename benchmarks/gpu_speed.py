@@ -76,13 +76,27 @@ def check_step_split(run) -> None:
     then 32 steps' wall time as the engine runs them (overlapped), against the GPU time of
     the step's forward alone (its CUDA graph replayed 32 times on the last step's inputs;
     the LM head and the sampler are outside the graph). Wall time well above the graph's
-    is the host's share: what the GPU waits on."""
+    is the host's share: what the GPU waits on. Then the graph's kernels by name, from
+    CUDA's profiler (graph_kernels). In bf16, and again with fp8 weights where the GPU has
+    FP8 tensor cores (decode_step_split_fp8): where fp8's time goes."""
     speed = getattr(run, "speed", None)
     if run.device != "cuda" or speed is None:
         report("decode_step_split", "skipped", reason="CUDA only, after throughput_pipeline")
         return
-    prompts, output_len = speed["prompts"], speed["output_len"]
-    engine = pipeline_engine(speed["model_dir"], run.device, prompts, output_len)
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    for name, quantization in [("decode_step_split", "none")] + ([("decode_step_split_fp8", "fp8")] if fp8 else []):
+        try:
+            report(name, "measured", quantization=quantization,
+                   **step_split(speed["model_dir"], run.device, speed["prompts"], speed["output_len"], quantization))
+        except BudgetExceeded:
+            raise
+        except Exception as e:   # the fp8 line still runs after a bf16 one that raised
+            report(name, "error", error=f"{type(e).__name__}: {e}"[:400])
+        free_memory()
+
+
+def step_split(model_dir, device: str, prompts: list[list[int]], output_len: int, quantization: str) -> dict:
+    engine = pipeline_engine(model_dir, device, prompts, output_len, quantization)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         for i, p in enumerate(prompts):
@@ -97,7 +111,7 @@ def check_step_split(run) -> None:
         wall_ms = (time.perf_counter() - start) / 32 * 1e3
         graphs = engine.runner.graphs
         bucket = graphs.bucket(len(prompts)) if graphs is not None else None
-        graph_ms = None
+        graph_ms, kernels = None, {}
         if bucket in getattr(graphs, "graphs", {}):
             first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             first.record()
@@ -106,13 +120,32 @@ def check_step_split(run) -> None:
             last.record()
             last.synchronize()
             graph_ms = first.elapsed_time(last) / 32
-        report("decode_step_split", "measured", sequences=len(prompts), context_tokens=len(prompts[0]) + output_len // 2,
-               step_wall_ms=round(wall_ms, 3), graph_forward_ms=graph_ms and round(graph_ms, 3),
-               wall_over_graph=graph_ms and round(wall_ms / graph_ms, 2))
+            kernels = graph_kernels(graphs.graphs[bucket])
+        return dict(sequences=len(prompts), context_tokens=len(prompts[0]) + output_len // 2,
+                    step_wall_ms=round(wall_ms, 3), graph_forward_ms=graph_ms and round(graph_ms, 3),
+                    wall_over_graph=graph_ms and round(wall_ms / graph_ms, 2), **kernels)
     finally:
         engine.abort([s.request_id for s in engine.scheduler.unfinished()])
         del engine
-        free_memory()
+
+
+def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 8, top: int = 16) -> dict:
+    """The kernels one replay of `graph` runs, from CUDA's profiler (which traces a graph's
+    kernels one by one): microseconds a replay, all of them and the `top` by time, each as
+    [name, launches a replay, microseconds a replay]; empty where the profiler saw none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.count / replays, e.self_device_time_total / replays)
+                      for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda k: -k[2])
+    if not kernels:
+        return {}
+    return dict(kernels_us=round(sum(us for _, _, us in kernels), 1),
+                kernel_launches=round(sum(calls for _, calls, _ in kernels)),
+                top_kernels=[[name[:90], round(calls, 1), round(us, 1)] for name, calls, us in kernels[:top]])
 
 
 def check_refill(run) -> None:
@@ -270,7 +303,9 @@ def pipeline_engine(model_dir, device: str, prompts: list[list[int]], output_len
 def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: int, deadline: float,
                  quantization: str = "none") -> dict:
     """Every prompt queued at once, greedy, exactly output_len tokens each (ignore_eos),
-    stepped until done or the deadline; counts the steps replayed from CUDA graphs."""
+    stepped until done or the deadline; counts the steps replayed from CUDA graphs, and
+    times each step: the eager ones' and the replayed ones' wall time, the five slowest
+    ([step, ms])."""
     engine = pipeline_engine(model_dir, device, prompts, output_len, quantization)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -288,14 +323,18 @@ def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: i
         for i, p in enumerate(prompts):
             if refused := engine.add_request(Request(f"r{i}", prompt_token_ids=p, params=greedy)):   # no assert: -O drops it
                 raise RuntimeError(f"request r{i} refused: {refused[0].error}")
-        outputs, steps = [], 0
+        outputs, step_s, replayed = [], [], []
         start = time.perf_counter()
         while engine.has_unfinished_requests and time.perf_counter() < deadline:
+            before, t = replays[0], time.perf_counter()
             outputs.extend(engine.step())
-            steps += 1
+            step_s.append(time.perf_counter() - t)
+            replayed.append(replays[0] > before)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        steps = len(step_s)
+        slowest = sorted(range(steps), key=lambda i: -step_s[i])[:5]
         unfinished = engine.scheduler.unfinished()
         produced = sum(o.output_tokens for o in outputs) + sum(s.num_output_tokens for s in unfinished)
         errors = [o.error for o in outputs if o.error]
@@ -304,6 +343,11 @@ def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: i
         kv_bytes = args.num_layers * 2 * args.num_kv_heads * args.head_dim * engine.runner.kv_cache.k.element_size()
         return dict(output_tokens=produced, seconds=round(seconds, 3), output_tok_s=round(produced / seconds, 1),
                     steps=steps, graph_steps=replays[0], truncated_by_budget=bool(unfinished),
+                    # Wall time of the steps run eagerly (prefill chunks, mixed steps) and of those
+                    # replayed; overlapped, a step's wall time includes waiting for the one before.
+                    eager_steps_s=round(sum(t for t, r in zip(step_s, replayed) if not r), 3),
+                    graph_steps_s=round(sum(t for t, r in zip(step_s, replayed) if r), 3),
+                    slowest_steps_ms=[[i, round(step_s[i] * 1e3, 1)] for i in slowest],
                     errors=errors[:3], backend=type(engine.attention_backend).__name__,
                     weight_bytes=parameter_bytes(engine.model), kv_bytes_per_token=kv_bytes,
                     max_num_batched_tokens=engine.scheduler.max_num_batched_tokens)
