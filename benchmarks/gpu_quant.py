@@ -85,7 +85,14 @@ def check_reference(run) -> None:
                     by_shape.setdefault(mode, {})[f"{k}x{n}/{rows}"] = float(f"{error:.3g}")
                     if mode == "fp8":   # which side is off: the product of the same fp8 tensors in float64
                         exact = fp8_float64(on_cpu, x)
-                        for side, value in (("device", got), ("reference", want)):
+                        sides = [("device", got), ("reference", want)]
+                        if device.type == "cuda":   # and the other product (this instance only)
+                            layer.triton_product = not layer.triton_product
+                            other = "device_triton_product" if layer.triton_product else "device_scaled_mm"
+                            with torch.inference_mode():
+                                sides.append((other, layer(x.to(device)).cpu().float()))
+                            del layer.triton_product
+                        for side, value in sides:
                             e = ((value.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
                             fp8_exact.setdefault(side, {})[f"{k}x{n}/{rows}"] = float(f"{e:.3g}")
         except BudgetExceeded:
@@ -170,7 +177,9 @@ def _raising(error: Exception):
 def kernel_candidates(linear: nn.Linear, device: str, dtype: torch.dtype, modes: list[str]) -> dict:
     """name -> f(x) for one linear: bf16 (cuBLAS), each mode's module as the engine runs it,
     and on CUDA the kernels weight_quant does not use, for the record: fp8's _scaled_mm
-    alone (without quantizing the activations), `_weight_int8pack_mm` (its CUDA kernel),
+    alone (without quantizing the activations; row-wise with Fp8Linear's accumulation and
+    the other, and with one scale per tensor) and fp8_matmul_triton's product alone (all row
+    counts here are within its MAX_ROWS), `_weight_int8pack_mm` (its CUDA kernel),
     and int8 x int8 `_int_mm` with per-token int8 activations (a w8a8 for CUDA)."""
     dev = torch.device(device)
     weight = linear.weight.detach().to(dev, dtype)
@@ -189,12 +198,29 @@ def kernel_candidates(linear: nn.Linear, device: str, dtype: torch.dtype, modes:
         fp8 = modules["fp8"]
         x_scale_of = {}
 
-        def scaled_mm_only(x):
+        def scaled_mm_only(fast: bool, tensorwise: bool = False):
+            def call(x):
+                if x.shape[0] not in x_scale_of:
+                    x_scale_of[x.shape[0]] = wq.quantize_fp8_rows(x)
+                x8, sx = x_scale_of[x.shape[0]]
+                sw = fp8.weight_scale
+                if tensorwise:   # one scale each (the largest: no value overflows), cuBLASLt's own fp8 path
+                    sx, sw = sx.max(), sw.max()
+                return torch._scaled_mm(x8, fp8.weight.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+            return call
+        out["fp8_scaled_mm_only"] = scaled_mm_only(fp8.fast_accumulation)
+        out[f"fp8_scaled_mm_only_fast_accumulation_{not fp8.fast_accumulation}"] = scaled_mm_only(
+            not fp8.fast_accumulation)
+        out["fp8_scaled_mm_tensorwise_fast_accumulation"] = scaled_mm_only(True, tensorwise=True)
+        from pipeline.kernels import fp8_matmul_triton   # imported on CUDA only, as the engine does
+
+        def triton_product_only(x):   # fp8_matmul_triton at its launch for these rows (LAUNCHES)
             if x.shape[0] not in x_scale_of:
                 x_scale_of[x.shape[0]] = wq.quantize_fp8_rows(x)
             x8, sx = x_scale_of[x.shape[0]]
-            return torch._scaled_mm(x8, fp8.weight.t(), scale_a=sx, scale_b=fp8.weight_scale, out_dtype=torch.bfloat16)
-        out["fp8_scaled_mm_only"] = scaled_mm_only
+            return fp8_matmul_triton.fp8_matmul(x8, fp8.weight, sx, fp8.weight_scale, torch.bfloat16)
+        out["fp8_triton_product_only"] = triton_product_only
     w8 = modules.get("w8a16") or wq.quantized_linear("w8a16", linear, dev, dtype)
     out["w8a16_weight_int8pack_mm"] = lambda x: torch._weight_int8pack_mm(x, w8.weight, w8.scale)
     q8, s8 = w8.weight, w8.scale.float()
@@ -207,7 +233,8 @@ def kernel_candidates(linear: nn.Linear, device: str, dtype: torch.dtype, modes:
 
 
 def check_kernels(run) -> None:
-    """One line: microseconds per decoder layer (its four linears) for each kernel and row count."""
+    """One line: microseconds per decoder layer (its four linears) for each kernel and row
+    count; on CUDA each captured in a graph (graphed_us), so launch latency is not counted."""
     device = run.device
     shape = gpu_models.LLAMA_1B if device == "cuda" else gpu_models.SMALL_SPEED
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -231,8 +258,8 @@ def check_kernels(run) -> None:
                     us.setdefault(kernel, {})[m] = None
                     continue
                 try:
-                    with torch.inference_mode():
-                        t = timed(lambda: fn(x), device, iters)
+                    with torch.inference_mode():   # on CUDA in a graph, as decode steps run
+                        t = graphed_us(lambda: fn(x), device) if device == "cuda" else timed(lambda: fn(x), device, iters)
                 except RuntimeError as e:
                     errors[kernel] = f"{type(e).__name__}: {e}"[:200]
                     us.pop(kernel, None)
@@ -266,20 +293,28 @@ def check_throughput(run) -> None:
         return
     base = speed["ours"]
     per_mode_s = 75 if run.device == "cuda" else 30
-    # On CUDA, fp8 once more with its activations quantized by PyTorch's ops instead of the
-    # Triton kernel (pointwise_triton.quantize_fp8_rows), for what the kernel buys.
+    # On CUDA, fp8 twice more: with the other product at decode steps (the Triton kernel of
+    # fp8_matmul_triton, or `_scaled_mm`: Fp8Linear.triton_product), and with its activations
+    # quantized by PyTorch's ops instead of the Triton kernel (pointwise_triton.quantize_fp8_rows):
+    # what each buys.
     runs = [(f"throughput_{m}", m) for m in modes]
+    flipped = "throughput_fp8_scaled_mm" if wq.Fp8Linear.triton_product else "throughput_fp8_triton_product"
     if run.device == "cuda" and "fp8" in modes:
-        runs.insert(modes.index("fp8") + 1, ("throughput_fp8_pytorch_activation_quant", "fp8"))
+        at = modes.index("fp8") + 1
+        runs[at:at] = [(flipped, "fp8"), ("throughput_fp8_pytorch_activation_quant", "fp8")]
+    if run.device == "cuda":   # the unquantized number again, last: how far one run's figure moves
+        runs.append(("throughput_unquantized_again", "none"))
     for name, mode in runs:
         left = run.left()
         if left < 45:   # an engine build and its graph capture come before the timed part
             report(name, "skipped", reason=f"wall-clock budget: {left:.0f} s left")
             continue
         deadline = time.monotonic() + min(per_mode_s, left - 10)
-        fused = kernels.triton_fp8_rows
+        fused, product = kernels.triton_fp8_rows, wq.Fp8Linear.triton_product
         if name.endswith("pytorch_activation_quant"):
             kernels.triton_fp8_rows = lambda x: None   # what weight_quant.Fp8Linear asks
+        if name == flipped:
+            wq.Fp8Linear.triton_product = not product
         try:
             ours = gpu_speed.run_pipeline(speed["model_dir"], run.device, speed["prompts"], speed["output_len"],
                                           deadline, quantization=mode)
@@ -290,7 +325,7 @@ def check_throughput(run) -> None:
             gpu_speed.free_memory()
             continue
         finally:
-            kernels.triton_fp8_rows = fused
+            kernels.triton_fp8_rows, wq.Fp8Linear.triton_product = fused, product
         ratio = ours["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else float("nan")
         gpu = run.device == "cuda"
         comparable = not ours["truncated_by_budget"] and not base.get("truncated_by_budget")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 TARGETS = (80, 90)   # sm_80 (A100), sm_90 (H100, H200)
 # Kernels for some GPUs only: float8 conversions need sm_89 (fp8 quantization refuses older GPUs).
-ONLY_ON = {"quantize_fp8_rows": (90,)}
+ONLY_ON = {"quantize_fp8_rows": (90,), "fp8_matmul": (90,)}
 SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3.2-1b": (32, 8, 64, 2048, 8192),   # heads, kv, dim,
           "llama-3.1-8b": (32, 8, 128, 4096, 14336)}                                         # hidden, mlp
 
@@ -31,7 +31,8 @@ DIVISIBLE = {"_paged_decode_kernel": {"stride_q_tok", "stride_q_head", "stride_k
                                       "stride_k_head", "stride_v_block", "stride_v_slot", "stride_v_head",
                                       "stride_out_tok", "stride_out_head", "stride_out_split"},
              "_add_rms_norm_kernel": {"dim"}, "_silu_and_mul_kernel": {"inter"},
-             "_rotary_write_kv_kernel": {"stride_qkv"}, "_quantize_fp8_rows_kernel": {"cols", "out_cols", "stride_x"}}
+             "_rotary_write_kv_kernel": {"stride_qkv"}, "_quantize_fp8_rows_kernel": {"cols", "out_cols", "stride_x"},
+             "_fp8_matmul_kernel": {"N", "K", "stride_x", "stride_w", "stride_out"}}
 
 
 def targets(variant: str) -> tuple[int, ...]:
@@ -42,8 +43,17 @@ def targets(variant: str) -> tuple[int, ...]:
 def variants():
     """(name, kernel attribute, pointer and scalar types, constexprs, options) of every
     variant an engine launches for these shapes, with the constants the launches compute."""
+    from pipeline.kernels import fp8_matmul_triton as fp8mm
     from pipeline.kernels import paged_decode_triton as decode
     from pipeline.kernels import pointwise_triton as pointwise
+
+    for rows, launch in fp8mm.LAUNCHES.items():   # the same kernel for every model: its launches
+        for out in ("bf16", "fp16"):
+            yield (f"fp8_matmul/rows{rows}/{out}", "fp8_matmul_triton._fp8_matmul_kernel",
+                   dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                        out_ptr=f"*{out}"),
+                   dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=True),
+                   dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
 
     for model, (heads, kv_heads, head_dim, hidden, inter) in SHAPES.items():
         for dtype in ("bf16", "fp16"):

@@ -1,8 +1,9 @@
 """Hand-written CPU kernels, built on first use with the system C compiler (this module).
-Beside them, two Triton modules for CUDA, imported only there: paged_decode_triton.py
-(decode attention for torch 2.10/2.11's varlen backend) and pointwise_triton.py (the
+Beside them, three Triton modules for CUDA, imported only there: paged_decode_triton.py
+(decode attention for torch 2.10/2.11's varlen backend), pointwise_triton.py (the
 layer's elementwise steps fused as these C kernels fuse them, `triton_pointwise`; fp8
-linears' activation quantization, `triton_fp8_rows`).
+linears' activation quantization, `triton_fp8_rows`) and fp8_matmul_triton.py (fp8
+linears' product at decode steps' row counts, `triton_fp8_matmul`).
 
 paged_attention.c: decode attention reading the paged KV cache in place.
 quantize_rows.c: per-token uint8 quantization of a linear's input and the per-token
@@ -155,6 +156,18 @@ def triton_fp8_rows(x: torch.Tensor):
     except ImportError:   # no Triton
         return None
     return pointwise_triton if x.dtype in pointwise_triton.DTYPES and pointwise_triton.fp8_usable(x.device) else None
+
+
+def triton_fp8_matmul(x8: torch.Tensor):
+    """fp8_matmul_triton where its product serves x8 (float8 activations on CUDA, rows within
+    its MAX_ROWS, Triton imports, its probe passed on that device), else None."""
+    if not x8.is_cuda:
+        return None
+    try:
+        from pipeline.kernels import fp8_matmul_triton
+    except ImportError:   # no Triton
+        return None
+    return fp8_matmul_triton if fp8_matmul_triton.serves(x8.shape[0]) and fp8_matmul_triton.usable(x8.device) else None
 
 
 def available() -> bool:

@@ -166,7 +166,7 @@ def _bias(linear: nn.Linear, device, dtype) -> torch.Tensor | None:
 class Fp8Linear(QuantizedLinear):
     """FP8 e4m3 weights (a scale per output channel) x FP8 e4m3 activations (a scale per
     token, computed each call): `torch._scaled_mm` with row-wise scales, float32
-    accumulation, out in the compute dtype.
+    accumulation (below), out in the compute dtype.
 
     CUDA's layout rules (ScaledBlas.cpp): the first operand row-major, the second
     column-major (the [N, K] weight passed as weight.t()), K and N multiples of 16,
@@ -175,6 +175,17 @@ class Fp8Linear(QuantizedLinear):
     to 16 at load, the activations' K per call, and the product comes out in bf16 on
     CUDA (cast to a float32 compute dtype if that is what the engine runs)."""
     mode = "fp8"
+    # Hopper's FP8 tensor cores sum products in a narrower accumulator, which cuBLAS promotes
+    # to float32 every few K steps unless told to accumulate "fast" (no promotion), as
+    # TransformerEngine's and torchao's inference forwards do. Measured on an H200
+    # (benchmarks/gpu_check.py times and checks both): fast was 4% quicker for a 1B layer's
+    # products alone at 256 rows and 3-5% slower at 1 and 16, equal end to end (1.407
+    # against 1.408 s), and 0.28% from the float64 product at K = 8,192 against 0.18%: off.
+    # A CPU's _scaled_mm ignores it.
+    fast_accumulation = False
+    # The Triton product for decode steps' rows (kernels/fp8_matmul_triton.py): off until a GPU
+    # measures it faster than _scaled_mm (benchmarks/fp8_matmul_sweep.py; it has not run on one).
+    triton_product = False
 
     def __init__(self, in_features, out_features, weight, weight_scale, bias=None):
         super().__init__(in_features, out_features, bias)
@@ -198,8 +209,12 @@ class Fp8Linear(QuantizedLinear):
             x8, x_scale = fused.quantize_fp8_rows(x, self.weight.shape[1], FP8_MAX, FP8_MIN_AMAX)
         else:
             x8, x_scale = quantize_fp8_rows(self.pad_input(x, self.weight.shape[1]))
-        y = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=self._out_dtype(x))
+        product = kernels.triton_fp8_matmul(x8) if self.triton_product else None
+        if product is not None:   # CUDA, a decode step's rows: tiles sized to them
+            y = product.fp8_matmul(x8, self.weight, x_scale, self.weight_scale, self._out_dtype(x))
+        else:
+            y = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
+                                 out_dtype=self._out_dtype(x), use_fast_accum=self.fast_accumulation)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def reference(self, x):
