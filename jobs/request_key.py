@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import msgspec
 
 from pipeline.engine_key import identity
 from pipeline.models.fingerprint import model_fingerprint
+from pipeline.models.model_dir import readable_model_dir
 
 NOT_IN_KEY = frozenset({"id", "line", "model", "timeout_s", "encoding_format", "key"})
 _encode = msgspec.json.Encoder(order="sorted").encode   # compact UTF-8 JSON, keys sorted: one form per line
@@ -35,17 +35,12 @@ def engine_fingerprint(engine_options: dict) -> str | None:
     """The engine's identity with the model by content (32 hex digits); None when the model's
     files cannot be read here (a job for a directory only its workers have: nothing is keyed)."""
     ident = identity(engine_options)
-    model = ident.pop("model")
+    model_dir = readable_model_dir(ident.pop("model"))
+    if model_dir is None:
+        return None
     try:
-        if model is None:
-            from pipeline.models.bundled import bundled_model_dir
-            model_dir = bundled_model_dir()
-        else:
-            model_dir = Path(model)
-        if not (model_dir / "config.json").is_file():
-            return None
         ident["model_files"] = model_fingerprint(model_dir)
-    except (OSError, RuntimeError):   # RuntimeError: the bundled model's package is not installed
+    except OSError:
         return None
     return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
 

@@ -235,6 +235,7 @@ class _Reader:
             problems.append("tools need messages (a chat request)")
         if echo and inputs["prompts"] and not isinstance(inputs["prompts"][0], str):
             problems.append("echo needs prompts given as text (it puts their text before the answers), not token ids")
+        self._check_vocabulary("prompt", inputs["prompts"], sampling.get("logit_bias"), problems)
         self._check_model(model, problems)
         if rid is not None:
             self._claim(number, rid, problems)
@@ -258,6 +259,7 @@ class _Reader:
             problems.append("missing input")
         dimensions = dimensions_setting(req.get("dimensions"), problems)
         encoding = encoding_format_setting(req.get("encoding_format"), problems)
+        self._check_vocabulary("input", inputs, None, problems)
         timeout_s = request_timeout(req, problems)
         self._check_model(model, problems)
         if rid is not None:
@@ -267,6 +269,20 @@ class _Reader:
         return request_line({"id": rid, "line": number, "prompt": None, "messages": None, **_EMBEDDING_SAMPLING,
                              "stop": [], "model": model, "timeout_s": timeout_s, "n": len(inputs), "input": inputs,
                              "dimensions": dimensions, "encoding_format": encoding})
+
+    def _check_vocabulary(self, name: str, items: list | None, logit_bias: dict | None, problems: list[str]) -> None:
+        """Every token id of the line (prompts or inputs given as ids, logit_bias keys) within the
+        model's vocabulary: an id beyond it would fail the engine step, not only this request."""
+        vocab = self.limits.vocab_size
+        if vocab is None:
+            return
+        for i, item in enumerate(items or ()):
+            if isinstance(item, list) and max(item) >= vocab:
+                where = name if len(items) == 1 else f"{name}[{i}]"
+                problems.append(f"{where} holds token id {max(item)}; the model's vocabulary has ids 0 to {vocab - 1}")
+        beyond = [int(token) for token in logit_bias or () if int(token) >= vocab]
+        if beyond:
+            problems.append(f"logit_bias names token id {max(beyond)}; the model's vocabulary has ids 0 to {vocab - 1}")
 
     def _check_model(self, model: str | None, problems: list[str]) -> None:
         if model is not None and self.model_names is not None and model not in self.model_names:

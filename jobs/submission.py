@@ -8,6 +8,7 @@ Standard input (`create_job_from_stream`) is read once, into the job's own copy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import BinaryIO
@@ -24,7 +25,7 @@ from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.shards import check_shard_size, read_shard, write_retry_shards
 from jobs.states import JobStatus
 from pipeline.engine_key import engine_key
-from pipeline.models.model_dir import is_encoder
+from pipeline.models.model_dir import is_encoder, vocabulary_size
 from pipeline.request import FinishReason
 
 
@@ -93,6 +94,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         # The engine's fingerprint, on which a shard makes its requests' keys (jobs.request_key:
         # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse).
         engine = engine_fingerprint(engine_options)
+        limits = with_vocabulary(limits, engine_options)
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
                                                      model=tuple(served_names) or model)
@@ -115,6 +117,14 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         _remove_unmade(job_paths)
         raise
     return job_id, shard_sizes
+
+
+def with_vocabulary(limits: spec.Limits, engine_options: dict) -> spec.Limits:
+    """limits with the model's vocabulary, where its config is readable here: token ids are
+    then checked at submit, each bad one its line's error (none can reach an engine step)."""
+    if limits.vocab_size is not None:
+        return limits
+    return dataclasses.replace(limits, vocab_size=vocabulary_size(engine_options.get("model")))
 
 
 def check_model_can_answer(validation: spec.Validation, model: str | None) -> None:

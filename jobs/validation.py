@@ -24,6 +24,10 @@ class Limits:
     max_depth: int = 32
     max_id_chars: int = 512
     max_errors_kept: int = 1000
+    # Token ids (prompts, embedding inputs, logit_bias) must be below it: the model's
+    # vocabulary when submit can read its config (jobs.submission), else None (unchecked here;
+    # the engine still fails such a request alone).
+    vocab_size: int | None = None
 
 
 @dataclass(slots=True)

@@ -53,6 +53,15 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
     return ids
 
 
+def vocabulary_error(ids: Sequence[int], vocab_size: int) -> str | None:
+    """Why a prompt's ids cannot run on a model of vocab_size tokens (an id the embedding
+    table has no row for), or None. Checked per request, so a bad id fails its own request
+    and never the engine step its neighbours share."""
+    if ids and max(ids) >= vocab_size:
+        return f"token id {max(ids)} is not in the model's vocabulary (ids 0 to {vocab_size - 1})"
+    return None
+
+
 def _encoded_or_error(tokenizer, text: str, special: bool) -> list[int] | Exception:
     try:
         return tokenizer.encode(text, add_special_tokens=special)

@@ -24,7 +24,7 @@ from pipeline.layers.pooler import as_lists
 from pipeline.models.loader import load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.model_dir import context_length
 from pipeline.models.pooling_config import read_pooling_config
-from pipeline.prompts import prompt_token_ids, prompts_token_ids
+from pipeline.prompts import prompt_token_ids, prompts_token_ids, vocabulary_error
 from pipeline.request import FinishReason, Request, RequestOutput
 
 
@@ -62,6 +62,7 @@ class EncoderEngine:
         self.model = AutoModel.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
         self.pooling = read_pooling_config(self.model_dir, decoder=False)
         self.hidden_size = hf_config["hidden_size"]
+        self.vocab_size = hf_config["vocab_size"]
         self.max_model_len = context_length(self.model_dir, config.max_model_len)
         self.max_num_seqs = config.max_num_seqs or 256
         # Padded tokens a step: 1024 (the CPU default) measured best for all-MiniLM on a 2-core CPU
@@ -111,7 +112,7 @@ class EncoderEngine:
         error = (f"the input has {len(ids)} tokens; the model takes at most {self.max_model_len}"
                  if len(ids) > self.max_model_len else "an embedding request needs at least one token" if not ids
                  else f"dimensions {dims} exceeds the model's {self.hidden_size}" if dims and dims > self.hidden_size
-                 else None)
+                 else vocabulary_error(ids, self.vocab_size))
         if error is not None:
             return [_output(request, arrival, prompt_tokens=len(ids), error=error)]
         self.scheduler.waiting.append((request, ids, arrival))

@@ -54,7 +54,7 @@ from pipeline.layers.smoothing import calibration_requests
 from pipeline.layers.sampler import Sampler
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config
-from pipeline.prompts import prompt_token_ids, prompts_token_ids
+from pipeline.prompts import prompt_token_ids, prompts_token_ids, vocabulary_error
 from pipeline.request import FinishReason, Request, RequestOutput
 
 
@@ -211,6 +211,8 @@ class Engine:
         try:   # a bad template or tokenizer failure fails this request only
             if isinstance(prompt_ids, Exception):
                 raise prompt_ids   # prompts_token_ids caught it for this request
+            if (error := vocabulary_error(prompt_ids, self.structured.vocab_size)) is not None:
+                return _error_outputs(request, error, len(prompt_ids), arrival)
             seq = Sequence(request.id, prompt_ids, request.params, self._detokenizer(prompt_ids, request.params),
                            arrival, timeout_s=request.timeout_s, pooling=request.pooling)
         except Exception as e:

@@ -49,6 +49,31 @@ def context_length(model_dir: Path, max_model_len: int | None = None) -> int:
     return min(max_model_len or chosen, chosen, positions)
 
 
+def readable_model_dir(model: str | None) -> Path | None:
+    """The directory of `model` (None or its name: the bundled one) when its config.json can be
+    read here, else None (a directory only the workers have; the bundled package absent)."""
+    try:
+        if is_bundled(model):
+            from pipeline.models.bundled import bundled_model_dir
+            path = bundled_model_dir()
+        else:
+            path = Path(model).expanduser()
+        return path if (path / "config.json").is_file() else None
+    except (OSError, RuntimeError):   # RuntimeError: the bundled model's package is not installed
+        return None
+
+
+def vocabulary_size(model: str | None) -> int | None:
+    """The model's vocabulary (config.json's vocab_size: the rows of its embedding table), or
+    None when it cannot be read here."""
+    path = readable_model_dir(model)
+    try:
+        size = json.loads((path / "config.json").read_text()).get("vocab_size") if path else None
+    except (OSError, ValueError):
+        return None
+    return size if type(size) is int and size > 0 else None
+
+
 def is_bundled(model: str | None) -> bool:
     return model is None or model == BUNDLED_NAME
 

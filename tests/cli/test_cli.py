@@ -519,3 +519,18 @@ def test_a_full_disk_is_one_clear_line_not_a_traceback(tmp_path, tiny_model_dir)
     # The disk fills under a Parquet write (the OS's ENOSPC) or a ledger write (SQLite's own words).
     assert "Traceback" not in done.stderr and "the disk failed" in done.stderr
     assert "No space left" in done.stderr or "database or disk is full" in done.stderr, done.stderr
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_refused_at_submit_with_their_lines(runner, data_root, tmp_path,
+                                                                                     tiny_model_dir):
+    """The model's vocabulary (its config's vocab_size, 49152 for the tiny model) bounds every
+    token id at submit: a prompt's, an embedding input's, a logit_bias key's."""
+    src = write_jsonl(tmp_path / "ids.jsonl", [
+        {"id": "ok", "prompt": [1, 2, 49151], "max_tokens": 2},
+        {"id": "prompt", "prompt": [1, 49152], "max_tokens": 2},
+        {"id": "bias", "prompt": "Hi", "logit_bias": {"70000": 5}, "max_tokens": 2}])
+    done = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *FAST])
+    assert done.exit_code == 2, done.output
+    assert "line 2: prompt holds token id 49152; the model's vocabulary has ids 0 to 49151" in done.stderr
+    assert "line 3: logit_bias names token id 70000" in done.stderr and "line 1" not in done.stderr
+    assert not (data_root / "jobs").exists() or not any((data_root / "jobs").iterdir())   # nothing was made

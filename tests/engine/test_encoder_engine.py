@@ -54,3 +54,10 @@ def test_dimensions_token_counts_and_errors(encoder):
     assert outs["ok"].error is None and outs["ok"].prompt_tokens == 3
     assert torch.allclose(torch.tensor(outs["ok"].embedding), embed(encoder, ["hello"])[0], atol=1e-5)
     assert not encoder.has_unfinished_requests
+
+
+def test_a_token_id_beyond_the_vocabulary_fails_its_own_input_only(encoder):
+    outs = run(encoder, [Request("bad", prompt_token_ids=[101, 30522, 102], pooling=PoolingParams()),
+                         Request("ok", prompt_token_ids=[101, 7592, 102], pooling=PoolingParams())])
+    assert outs["bad"].error == "token id 30522 is not in the model's vocabulary (ids 0 to 30521)"
+    assert outs["ok"].error is None and len(outs["ok"].embedding) == 384

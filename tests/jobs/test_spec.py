@@ -570,3 +570,24 @@ def test_embedding_lines_in_both_formats(tmp_path):
     assert items[2].n == 2 and items[2].dimensions == 2
     assert "a generation line (prompt or messages) in a file whose first request (line 1) is an embedding line" in str(items[3])
     assert "unknown field 'temperature' (allowed in an embedding line" in str(items[4])
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_line_errors(tmp_path):
+    """Prompts and embedding inputs given as ids, and logit_bias keys: an id the model has no
+    row for is refused with its line, whatever form carries it; ids within it pass."""
+    limits = Limits(vocab_size=100)
+    path = write(tmp_path, [
+        batch_line("ok", {"prompt": [0, 99], "logit_bias": {"99": 1}}, url=COMPLETIONS),
+        batch_line("one", {"prompt": [1, 100]}, url=COMPLETIONS),
+        batch_line("many", {"prompt": [[1], [2, 3, 250]]}, url=COMPLETIONS),
+        batch_line("bias", {"prompt": "hi", "logit_bias": {"5": 1, "100": -1}}, url=COMPLETIONS),
+    ])
+    assert errors_by_line(path, limits) == {
+        2: "prompt holds token id 100; the model's vocabulary has ids 0 to 99",
+        3: "prompt[1] holds token id 250; the model's vocabulary has ids 0 to 99",
+        4: "logit_bias names token id 100; the model's vocabulary has ids 0 to 99",
+    }
+    assert errors_by_line(path) == {}   # no model's vocabulary known: left to the engine
+    embeddings = write(tmp_path, [{"id": "e1", "input": [[5, 6], [7, 100]]}, {"id": "e2", "input": [99]}], "emb.jsonl")
+    assert errors_by_line(embeddings, limits) == {
+        1: "input[1] holds token id 100; the model's vocabulary has ids 0 to 99"}

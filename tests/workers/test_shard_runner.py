@@ -83,3 +83,52 @@ def test_a_crash_is_retried_then_fails_the_shard_on_the_last_attempt(ledger, dat
         job = get_job(s, job_id)
         assert (job.status, job.completed_requests, job.failed_requests) == ("completed", 0, 3)
         assert run_shard(Session, data_root, job_id, 0, **run) == "skipped"
+
+
+def test_a_token_id_beyond_the_vocabulary_fails_its_own_request_not_another_jobs_sharing_its_steps(
+        ledger, data_root, tmp_path, engines, options):
+    """Two jobs' shards run at once on one engine; one line of the first names a token id the
+    model has none for (as a submitter that could not read the model's config writes it:
+    unchecked). That request alone gets an error row; every other, of both jobs, is answered,
+    on the first and only attempt."""
+    import threading
+
+    from jobs.file_scan import write_input_shards
+    from jobs.spec import Limits
+
+    _, Session = ledger
+
+    def unchecked_job(rows) -> str:
+        job_id = new_job_id()
+        jp = JobPaths(data_root, job_id)
+        src = tmp_path / f"{job_id}.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _, sizes = write_input_shards(src, jp.input_dir, 100, Limits())   # no vocabulary known
+        with Session() as s:
+            create_job(s, job_id=job_id, model="tiny", engine_options=options, input_format="pipeline",
+                       endpoint=None, input_path=str(src), results_path=str(jp.results_dir), shard_size=100,
+                       shard_sizes=sizes)
+        return job_id
+
+    def good(rid):
+        return {"id": rid, "prompt": f"Tell me about {rid}", "max_tokens": 24, "ignore_eos": True}
+
+    mixed = unchecked_job([good("a0"), {"id": "bad", "prompt": [5, 6, 10**6], "max_tokens": 4}, good("a1")])
+    other = unchecked_job([good(f"b{i}") for i in range(4)])
+    outcomes = {}
+
+    def run(job_id):
+        outcomes[job_id] = run_shard(Session, data_root, job_id, 0, engine_provider=engines.use, worker_name="t",
+                                     max_attempts=1)
+
+    threads = [threading.Thread(target=run, args=(job_id,)) for job_id in (mixed, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert outcomes == {mixed: "completed", other: "completed"}
+    rows = {r["id"]: r for job_id in (mixed, other)
+            for r in read_results(JobPaths(data_root, job_id).results_dir).to_pylist()}
+    assert rows.pop("bad")["error"] == "token id 1000000 is not in the model's vocabulary (ids 0 to 49151)"
+    assert {(rid, r["finish_reason"], r["output_tokens"]) for rid, r in rows.items()} == {
+        (rid, "length", 24) for rid in ("a0", "a1", "b0", "b1", "b2", "b3")}
