@@ -221,6 +221,15 @@ def encodable(name: str, s: str) -> None:
         raise Bad(f"{name} contains an unpaired surrogate {s[e.start]!a}") from None
 
 
+def storable(name: str, s: str) -> None:
+    """Reject text the ledger cannot store: a NUL (PostgreSQL's text cannot hold one; SQLite's
+    can, and both must take the same input) or a lone surrogate (UTF-8 cannot carry one). For
+    what reaches SQL (request ids, file names, metadata); prompts go to Parquet and may hold NUL."""
+    if "\x00" in s:
+        raise Bad(f"{name} contains a NUL character (\\u0000), which the job ledger cannot store")
+    encodable(name, s)
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not allowed (numbers must be finite)")
 

@@ -13,6 +13,9 @@ What goes in:
   make the tokens from them, so the same text gives the same tokens. Every sampling and
   output setting is in the line, defaults left out, so a field added later with a default
   keeps the keys of older lines.
+* the job's answer scope (jobs.ledger.api_keys.answer_scope): an API key's answers are
+  reused for that key alone (or the keys sharing its scope by choice), so one team's batch
+  never tells whether another ran the same prompt; CLI jobs share the local scope (none).
 Only deterministic requests have a key: greedy (temperature 0), sampled with a seed, or an
 embedding. Unseeded sampling has none: its point is to differ.
 """
@@ -50,12 +53,14 @@ def is_deterministic(line: dict) -> bool:
     return line.get("input") is not None or line["temperature"] == 0 or line["seed"] is not None
 
 
-def request_key(line: dict, engine: str | None) -> str | None:
-    """The key of a shard line (RequestSpec.to_dict()) on the engine of that fingerprint;
-    None when its answer is not deterministic (or the engine has no fingerprint)."""
+def request_key(line: dict, engine: str | None, scope: str | None = None) -> str | None:
+    """The key of a shard line (RequestSpec.to_dict()) on the engine of that fingerprint, in
+    an answer scope (None: the local one); None when its answer is not deterministic (or the
+    engine has no fingerprint)."""
     if engine is None or not is_deterministic(line):
         return None
     body = line.copy()
     for name in NOT_IN_KEY:
         body.pop(name, None)
-    return hashlib.blake2b(engine.encode() + _encode(body), digest_size=16).hexdigest()
+    scoped = engine.encode() if scope is None else engine.encode() + b"\0" + scope.encode() + b"\0"
+    return hashlib.blake2b(scoped + _encode(body), digest_size=16).hexdigest()

@@ -45,7 +45,7 @@ def answer_at_submit(Session, root, job) -> list[int]:
     if not job.reuse or job.engine_fingerprint is None:
         return every
     with Session() as s:
-        if not ledger.any_answers_of(s, job.engine_fingerprint):
+        if not ledger.any_answers_of(s, job.engine_fingerprint, job.answer_scope):
             return every   # (before Parquet is imported: a first night's submit stays light, pyarrow is 40 MB)
     from jobs.finalize import finalize_job
     paths, left = JobPaths(root, job.id), []
@@ -54,7 +54,7 @@ def answer_at_submit(Session, root, job) -> list[int]:
         # requests themselves are made only for a shard that is answered whole.
         with open(paths.input_shard(index), "rb") as f:
             lines = [_decode(line) for line in f if line.strip()]
-        keys = [request_key(line, job.engine_fingerprint) for line in lines]
+        keys = [request_key(line, job.engine_fingerprint, job.answer_scope) for line in lines]
         found = _found_all(Session, job.id, keys)
         if found is None:
             left.append(index)

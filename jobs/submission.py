@@ -105,6 +105,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         check_model_can_answer(validation, engine_options.get("model"))
         check_capacity(Session, validation.num_requests, max_queued_requests)
         with Session() as s:
+            scope = None if api_key_id is None else ledger.answer_scope(s, api_key_id)
             ledger.create_job(
                 s, job_id=job_id, model=model, engine_options=engine_options,
                 engine_key=engine_key(engine_options),
@@ -112,7 +113,8 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 input_path=str(Path(path).resolve()), results_path=str(job_paths.results_dir),
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
                 completion_window=completion_window, api_key_id=api_key_id, priority=priority,
-                request_timeout_s=request_timeout_s, queue=queue, reuse=reuse, engine_fingerprint=engine)
+                request_timeout_s=request_timeout_s, queue=queue, reuse=reuse, engine_fingerprint=engine,
+                answer_scope=scope)
     except BaseException:
         _remove_unmade(job_paths)
         raise

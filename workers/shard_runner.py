@@ -111,7 +111,7 @@ def run_shard(
     except InputUnreadable as e:
         return _fail_unreadable(Session, root, job_id, index, attempt, e, last_attempt)
     for spec in specs:   # every row carries its key (lineage); a first submit made none (jobs.reuse)
-        spec.key = request_key(spec.to_dict(), job.engine_fingerprint)
+        spec.key = request_key(spec.to_dict(), job.engine_fingerprint, job.answer_scope)
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
         reused = _reused_rows(Session, root, job, specs, index, attempt, on_result)

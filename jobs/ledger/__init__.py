@@ -35,7 +35,7 @@ that later jobs reuse).
 Callers import from `jobs.ledger` itself.
 """
 from jobs.ledger.answers import add_answers, any_answers_of, delete_answers, find_answers
-from jobs.ledger.api_keys import KeyNameTaken, add_key, find_key, list_keys, revoke_key
+from jobs.ledger.api_keys import KeyNameTaken, add_key, answer_scope, find_key, list_keys, revoke_key
 from jobs.ledger.database import ensure_schema, make_engine, open_sessions, session_factory, upgrade
 from jobs.ledger.job_states import (
     count_error_rows, create_job, expire_if_due, finish_job, get_job, get_shard, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key,
@@ -56,7 +56,8 @@ from jobs.ledger.shard_leases import (
 
 __all__ = [
     "Answer", "ApiKey", "Base", "add_answers", "any_answers_of", "delete_answers", "find_answers", "File", "INPUT_FORMATS", "Job", "JobStatus", "KeyNameTaken", "STATS_COLUMNS", "Shard",
-    "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "cancel_orphaned_shards", "claim_shard",
+    "ShardStatus", "UTCDateTime", "active_jobs", "add_file", "add_key", "answer_scope", "cancel_orphaned_shards",
+    "claim_shard",
     "commit_shard", "count_error_rows", "create_job", "delete_file", "ensure_schema", "expire_if_due", "expired_shards", "fail_shard", "files_of_job",
     "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",
     "jobs_by_status", "jobs_of_key", "list_files", "list_jobs", "list_keys", "live_engine_keys", "live_jobs", "live_shards_by_status",

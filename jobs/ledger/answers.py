@@ -34,11 +34,12 @@ def find_answers(s: Session, keys: Iterable[str], *, exclude_job: str) -> dict[s
     return found
 
 
-def any_answers_of(s: Session, engine_fingerprint: str) -> bool:
-    """Whether any job of this engine fingerprint has stored answers (a first night has none:
-    the submit then skips its lookup)."""
+def any_answers_of(s: Session, engine_fingerprint: str, answer_scope: str | None) -> bool:
+    """Whether any job of this engine fingerprint and answer scope has stored answers (a first
+    night has none: the submit then skips its lookup)."""
+    scope = Job.answer_scope.is_(None) if answer_scope is None else Job.answer_scope == answer_scope
     found = s.execute(select(Answer.key).join(Job, Job.id == Answer.job_id)
-                      .where(Job.engine_fingerprint == engine_fingerprint).limit(1)).first()
+                      .where(Job.engine_fingerprint == engine_fingerprint, scope).limit(1)).first()
     s.commit()
     return found is not None
 

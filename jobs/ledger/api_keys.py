@@ -28,12 +28,16 @@ def key_sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def add_key(s: Session, name: str) -> tuple[ApiKey, str]:
-    """A new key named `name`: (its row, the key itself, which is never stored)."""
+def add_key(s: Session, name: str, share_answers: str | None = None) -> tuple[ApiKey, str]:
+    """A new key named `name`: (its row, the key itself, which is never stored). share_answers:
+    a scope name whose keys reuse one another's stored answers (None: only its own)."""
     if not name or not name.strip():
         raise ValueError("a key needs a name (e.g. the team that uses it)")
+    if share_answers is not None and not share_answers.strip():
+        raise ValueError("a shared answer scope needs a name (e.g. the team whose keys share it)")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = ApiKey(id="key_" + secrets.token_hex(8), name=name, key_sha256=key_sha256(key))
+    row = ApiKey(id="key_" + secrets.token_hex(8), name=name, key_sha256=key_sha256(key),
+                 answer_scope=None if share_answers is None else f"shared:{share_answers.strip()}")
     s.add(row)
     try:
         s.commit()
@@ -42,6 +46,14 @@ def add_key(s: Session, name: str) -> tuple[ApiKey, str]:
         raise KeyNameTaken(f"a key named {name!r} exists already (revoked keys keep their names); "
                            "choose another name") from None
     return row, key
+
+
+def answer_scope(s: Session, key_id: str) -> str:
+    """The scope a key's jobs store and reuse answers in: its own ("key:<id>") unless it was
+    made to share one. A scope never leaks into another: a request's key includes it."""
+    shared = s.scalar(select(ApiKey.answer_scope).where(ApiKey.id == key_id))
+    s.commit()
+    return shared or f"key:{key_id}"
 
 
 def list_keys(s: Session) -> list[ApiKey]:

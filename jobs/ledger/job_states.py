@@ -19,7 +19,7 @@ def create_job(
     shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
     engine_key: str | None = None, api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
     request_timeout_s: float | None = None, queue: str | None = None, reuse: bool = True,
-    engine_fingerprint: str | None = None,
+    engine_fingerprint: str | None = None, answer_scope: str | None = None,
 ) -> Job:
     """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
     the engine its shards need (pipeline.engine_key), which routes them to a queue;
@@ -40,7 +40,7 @@ def create_job(
         results_path=str(results_path), shard_size=shard_size, num_shards=len(shard_sizes),
         completion_window=completion_window, metadata_=metadata, api_key_id=api_key_id,
         total_requests=sum(shard_sizes), priority=priority, request_timeout_s=request_timeout_s,
-        reuse=reuse, engine_fingerprint=engine_fingerprint,
+        reuse=reuse, engine_fingerprint=engine_fingerprint, answer_scope=answer_scope,
         created_at=now, expires_at=expires_at,
     )
     s.add(job)

@@ -86,6 +86,9 @@ class Job(Base):
     # that change answers), in every request key and every result row.
     reuse: Mapped[bool] = mapped_column(Boolean, default=True, server_default=sa_true())
     engine_fingerprint: Mapped[str | None] = mapped_column(String)
+    # Whose answers it may reuse and shares its own with (jobs.request_key): null for a CLI
+    # job (the local scope), else its API key's (ledger.api_keys.answer_scope).
+    answer_scope: Mapped[str | None] = mapped_column(String)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -172,6 +175,9 @@ class ApiKey(Base):
     key_sha256: Mapped[str] = mapped_column(String, unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A scope of stored answers it shares with the keys given the same one (--share-answers);
+    # null: its answers are its own.
+    answer_scope: Mapped[str | None] = mapped_column(String)
 
 
 class File(Base):

@@ -50,16 +50,33 @@ def keys_group():
     """API keys of `pipeline serve` (the ledger keeps only their SHA-256)."""
 
 
+def _ledger_text(ctx, param, value: str | None) -> str | None:
+    """A name the ledger can store and look up: bytes of the command line that are not UTF-8
+    reach Python as lone surrogates, which no database driver can send."""
+    from jobs.request_fields import Bad, storable
+    if value is None:   # an option not given
+        return None
+    try:
+        storable(param.human_readable_name, value)
+    except Bad as e:
+        raise click.BadParameter(f"{e} (give it as UTF-8 text)") from None
+    return value
+
+
 @keys_group.command("add")
-@click.argument("name")
+@click.argument("name", callback=_ledger_text)
+@click.option("--share-answers", metavar="SCOPE", callback=_ledger_text,
+              help="Reuse stored answers across every key made with this same SCOPE (e.g. a team's name). "
+                   "Off by default: a key's batches reuse only answers computed for that key, so no key "
+                   "learns what another one ran.")
 @settings_options()
-def keys_add_command(name, settings):
+def keys_add_command(name, share_answers, settings):
     """Make a key named NAME (e.g. a team); prints only the key on stdout, once: keep it."""
     from jobs import ledger
 
     with sessions(settings)() as s:
         try:
-            row, key = ledger.add_key(s, name)
+            row, key = ledger.add_key(s, name, share_answers=share_answers)
         except ValueError as e:
             raise Fail(str(e), EXIT_USAGE) from None
     click.echo(f"key {row.id} ({row.name}) added; it is shown only now", err=True)
@@ -82,7 +99,7 @@ def keys_list_command(settings):
 
 
 @keys_group.command("revoke")
-@click.argument("name_or_id")
+@click.argument("name_or_id", callback=_ledger_text)
 @settings_options()
 def keys_revoke_command(name_or_id, settings):
     """Revoke a key at once: its requests get 401 from then on; its jobs and files stay."""

@@ -80,8 +80,9 @@ def server(tmp_path_factory, bundled_model_dir):
     env.pop("PIPELINE_DATABASE_URL", None)   # the SQLite ledger in the data root
     from click.testing import CliRunner
     keys = {}
-    for name in ("team-a", "team-b", "team-c"):
-        done = CliRunner().invoke(main, ["keys", "add", name], env=env)
+    for name, *shared in (("team-a",), ("team-b",), ("team-c",), ("team-d",), ("lab-1", "--share-answers", "lab"),
+                          ("lab-2", "--share-answers", "lab")):
+        done = CliRunner().invoke(main, ["keys", "add", name, *shared], env=env)
         assert done.exit_code == 0, done.output
         keys[name] = done.stdout.strip()
     port = free_port()
@@ -187,7 +188,7 @@ def test_a_chat_batch_runs_end_to_end_through_the_openai_client(server, finished
         hashes = conn.execute(text("SELECT key_sha256 FROM api_keys")).scalars().all()
     engine.dispose()
     assert owner == "team-a"
-    assert server.keys["team-a"] not in hashes and len(hashes) == 3   # only hashes are stored
+    assert server.keys["team-a"] not in hashes and len(hashes) == len(server.keys)   # only hashes are stored
 
     deleted = FileDeleted.model_validate(raw(client.files.with_raw_response.delete(batch.error_file_id)))
     assert deleted.deleted and f"{deleted.id}.jsonl" not in server.stored_files()
@@ -357,6 +358,40 @@ def test_a_rerun_of_an_answered_file_is_completed_when_it_is_created(server):
         return {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content
                 for line in lines_of(client, batch.output_file_id)}
     assert answers(again) == answers(first) and "Paris" in answers(again)["capital"]
+
+
+def test_answers_are_reused_only_for_the_key_that_computed_them_or_keys_sharing_a_scope(server):
+    """Another key's batch of the same prompts is computed afresh, in_progress when created like
+    any batch (its create answer tells nothing of what other keys ran); two keys made with
+    `--share-answers lab` reuse each other's."""
+    rows = [batch_line("secret", [{"role": "user", "content": "Our confidential plan, in a word?"}], max_tokens=4)]
+
+    def create(key: str) -> Batch:
+        client = server.client(server.keys[key])
+        upload = client.files.create(file=("secret.jsonl", jsonl(rows)), purpose="batch")
+        return Batch.model_validate(raw(client.batches.with_raw_response.create(
+            input_file_id=upload.id, endpoint=CHAT, completion_window="24h")))
+
+    def reused(batch: Batch) -> int:
+        engine = make_engine(f"sqlite:///{server.root / 'ledger.sqlite'}")
+        with engine.connect() as conn:
+            n = conn.execute(text("SELECT reused_requests FROM jobs WHERE id = :id"), {"id": batch.id}).scalar_one()
+        engine.dispose()
+        return n
+
+    first = wait_until_ended(server.client(), create("team-a").id)
+    assert first.status == "completed" and reused(first) == 0
+    mine = create("team-a")
+    assert mine.status == "completed" and reused(mine) == 1   # its own key: answered when created
+    theirs = create("team-d")
+    assert theirs.status == "in_progress"                       # as for a prompt nobody ran
+    theirs = wait_until_ended(server.client(server.keys["team-d"]), theirs.id)
+    assert theirs.status == "completed" and theirs.request_counts.completed == 1 and reused(theirs) == 0
+
+    shared = wait_until_ended(server.client(server.keys["lab-1"]), create("lab-1").id)
+    assert shared.status == "completed" and reused(shared) == 0      # the lab scope had none of team-a's
+    from_lab = create("lab-2")
+    assert from_lab.status == "completed" and reused(from_lab) == 1   # lab-1's answer, shared by choice
 
 
 def test_another_key_gets_404_for_the_first_keys_batch_and_files(server, finished):
