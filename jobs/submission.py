@@ -243,7 +243,9 @@ def create_retry_job(
                 results_path=str(new_paths.results_dir), shard_size=shard_size, shard_sizes=sizes,
                 completion_window=completion_window or old.completion_window, api_key_id=old.api_key_id,
                 priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
-                reuse=old.reuse, engine_fingerprint=old.engine_fingerprint,
+                # fingerprinted afresh: the retry runs on the model files as they are now
+                reuse=old.reuse, engine_fingerprint=engine_fingerprint(old.engine_options),
+                answer_scope=old.answer_scope,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         _remove_unmade(new_paths)

@@ -33,8 +33,8 @@ class _CrashingEngine:
 
 
 @contextlib.contextmanager
-def _crashing_use(options):
-    with _real_use(options) as engine:
+def _crashing_use(options, fingerprint=None):
+    with _real_use(options, fingerprint) as engine:
         yield _CrashingEngine(engine)
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from jobs.request_key import engine_fingerprint
 from pipeline.config import EngineConfig
 from pipeline.engine_key import engine_key
 from workers import metrics
@@ -22,10 +23,16 @@ from workers.metrics import EngineObserver
 
 log = logging.getLogger(__name__)
 RECHECK_S = 1.0   # has_work and the idle time change unannounced: a waiting shard looks again this often
+_LOAD_TRIES = 3   # builds of one engine whose files keep changing while they load
 
 
 class UnservedEngine(RuntimeError):
     """A shard for an engine this worker was not started for (routing sends none)."""
+
+
+class EngineMismatch(RuntimeError):
+    """A job names model files (its engine fingerprint, jobs.request_key) that this process
+    cannot load: its model directory holds other bytes than the submitter fingerprinted."""
 
 
 class EngineCache:
@@ -47,6 +54,15 @@ class EngineCache:
 
     One lock (a condition) guards the state, and the model is built outside it: the
     shards that wait meanwhile see `building` and wait on the condition, not on a lock.
+
+    The engine answers only for the weights it loaded: each build fingerprints the model's
+    files before and after loading them (jobs.request_key.engine_fingerprint: a file
+    replaced meanwhile means the build is done again), and a shard naming another
+    fingerprint never runs on it. If the directory holds that shard's fingerprint now (the
+    weights were replaced under a running worker, and the job was submitted after), the
+    engine is rebuilt from them; otherwise the shard's attempt fails with EngineMismatch
+    (the job was submitted for weights this worker does not have). So a row is always
+    keyed under the weights that computed it, never the submitter's.
     """
 
     def __init__(self, served: list[dict] | tuple = (), has_work: Callable[[str], bool] | None = None,
@@ -57,6 +73,7 @@ class EngineCache:
         self._changed = threading.Condition()
         self._config: EngineConfig | None = None
         self._key: str | None = None   # the loaded engine's key
+        self._fingerprint: str | None = None   # the loaded engine's, by the files it read
         self._loop = None
         self._users = 0                # shards holding the loop, and a build in progress
         self._idle_since = time.monotonic()
@@ -87,14 +104,21 @@ class EngineCache:
                 pass
 
     @contextlib.contextmanager
-    def use(self, options: dict) -> Iterator:
-        """The engine loop for `options` (building or rebuilding it if needed), held until exit."""
+    def use(self, options: dict, fingerprint: str | None = None) -> Iterator:
+        """The engine loop for `options` (building or rebuilding it if needed), held until exit.
+        fingerprint: the job's engine fingerprint (None: any); EngineMismatch when this
+        process's model files are not those."""
         config = self.config_for(options)
+        if fingerprint is not None and not (config == self._config and fingerprint == self._fingerprint):
+            self._check_files(config, fingerprint)   # outside the lock: it may read the whole checkpoint
         with self._changed:
             while True:
-                if self._loop is not None and self._loop.is_serving and config == self._config:
+                if (self._loop is not None and self._loop.is_serving and config == self._config
+                        and fingerprint in (None, self._fingerprint)):
                     break   # the loaded engine: it goes first
-                if self._users == 0 and not self.building and not self._keep_loaded():
+                # A loaded engine of these options but older weights is stale: nothing waits for its queue.
+                stale = config == self._config
+                if self._users == 0 and not self.building and (stale or not self._keep_loaded()):
                     self._drop()
                     self.building = True
                     break
@@ -104,6 +128,8 @@ class EngineCache:
         try:
             if build:
                 self._build(config)
+            if fingerprint not in (None, self._fingerprint):   # the files changed again while it loaded
+                raise EngineMismatch(_mismatch(config, fingerprint, self._fingerprint))
             yield self._loop
         finally:
             with self._changed:
@@ -111,6 +137,13 @@ class EngineCache:
                 if self._users == 0:
                     self._idle_since = time.monotonic()
                 self._changed.notify_all()
+
+    @staticmethod
+    def _check_files(config: EngineConfig, fingerprint: str) -> None:
+        """EngineMismatch unless the model's files here are those of `fingerprint`."""
+        here = engine_fingerprint(dataclasses.asdict(config))
+        if here != fingerprint:
+            raise EngineMismatch(_mismatch(config, fingerprint, here))
 
     def _keep_loaded(self) -> bool:
         """Whether a switch away from the loaded (unused) engine should wait for its queue."""
@@ -135,13 +168,24 @@ class EngineCache:
         drops or builds meanwhile); `building` ends however it goes."""
         from pipeline.engine.factory import build_engine  # torch: only once an engine is really needed
         from pipeline.engine.engine_loop import EngineLoop
-        key = engine_key(dataclasses.asdict(config))
+        options = dataclasses.asdict(config)
+        key = engine_key(options)
         log.info("loading engine %s (model %s)", key, config.model or "bundled")   # tests count these
         start = time.monotonic()
         try:
-            loop = EngineLoop(lambda: build_engine(config), observer=EngineObserver())
+            for _ in range(_LOAD_TRIES):
+                before = engine_fingerprint(options)
+                loop = EngineLoop(lambda: build_engine(config), observer=EngineObserver())
+                fingerprint = engine_fingerprint(options)
+                if fingerprint == before:
+                    break
+                log.warning("the files of model %s changed while it loaded: loading it again",
+                            config.model or "bundled")
+                loop.close()
+            else:
+                fingerprint = None   # they never held still: no job naming a fingerprint runs on it
             with self._changed:
-                self._loop, self._config, self._key = loop, config, key
+                self._loop, self._config, self._key, self._fingerprint = loop, config, key, fingerprint
         finally:
             with self._changed:
                 self.building = False
@@ -155,8 +199,16 @@ class EngineCache:
             return
         device = getattr(self._loop.engine, "device", None)   # what "auto" chose
         self._loop.close()
-        self._loop = self._config = self._key = None
+        self._loop = self._config = self._key = self._fingerprint = None
         gc.collect()
         if device is not None and device.type == "cuda":
             import torch
             torch.cuda.empty_cache()
+
+
+def _mismatch(config: EngineConfig, wanted: str, here: str | None) -> str:
+    model = config.model or "the bundled model"
+    return (f"the job was submitted for model files with engine fingerprint {wanted}, but {model} here has "
+            f"{here or 'files that cannot be fingerprinted'}: its weights, config or tokenizer changed since the "
+            "job was submitted, or differ between the submitter and this worker; resubmit the job "
+            "(`pipeline retry JOB`) to run it on the files the workers have now")

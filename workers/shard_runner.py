@@ -1,8 +1,9 @@
 """Running one shard of a job: lease it, generate, write its results, commit, maybe finalize.
 
 Shared by the Celery task and `pipeline run`; it knows nothing of Celery, and the engine
-comes from `engine_provider(options)` (a context manager holding the process's engine
-for the shard: workers.engine_cache), so importing this module imports no torch either.
+comes from `engine_provider(options, fingerprint)` (a context manager holding the process's
+engine for the shard, refusing one whose model files are not the job's: workers.engine_cache),
+so importing this module imports no torch either.
 What a shard commits is counted in workers.metrics; its log records name the attempt
 (workers.logs).
 Several shards may run at once in one process (threads): each is leased, generated and
@@ -72,7 +73,7 @@ def shutting_down() -> bool:
 @metrics.runs_shards
 def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
-    engine_provider: Callable[[dict], AbstractContextManager], worker_name: str, lease_s: float = 60,
+    engine_provider: Callable[[dict, str | None], AbstractContextManager], worker_name: str, lease_s: float = 60,
     max_attempts: int = 3, on_result: Callable[[dict], None] | None = None,
 ) -> ShardOutcome:
     """Run shard `index` of `job_id`; returns its outcome.
@@ -119,7 +120,7 @@ def run_shard(
         try:
             rows, cancelled, interrupted = [], False, False
             if to_run:   # a shard answered whole from stored answers needs no engine
-                with engine_provider(job.engine_options) as engine:
+                with engine_provider(job.engine_options, job.engine_fingerprint) as engine:
                     rows, cancelled, interrupted = _generate(Session, job, engine, to_run, index, attempt,
                                                              lease, on_result, worker_name)
             status = ShardStatus.CANCELLED if cancelled else ShardStatus.COMPLETED

@@ -4,8 +4,11 @@ another. No torch.
 
 Hashing a checkpoint reads all of it (a 135M model in about half a second, a 7B one in
 tens of seconds), so each file's digest is kept in the cache under its path, size,
-modification time and inode: a file that changed in any of those is read again. The
-cache only saves work: a copied directory is hashed anew and gets the same fingerprint.
+modification time, inode and status-change time: a file that changed in any of those is
+read again. The last one is what no writer can set back: a checkpoint rewritten in place
+at the same size with its modification time restored still gets a new ctime, so it is
+hashed again. The cache only saves work: a copied directory is hashed anew and gets the
+same fingerprint.
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+
+
 class _Cache:
     """File digests of one directory, kept under the cache root (best effort: never an error)."""
 
@@ -46,8 +54,7 @@ class _Cache:
         self.changed = False
 
     def digest(self, path: Path) -> str:
-        st = path.stat()
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        stamp = _stamp(path)
         entry = self.entries.get(str(path))
         if entry is not None and entry[0] == stamp:
             return entry[1]
@@ -55,8 +62,9 @@ class _Cache:
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
-        self.entries[str(path)] = [stamp, h.hexdigest()]
-        self.changed = True
+        if _stamp(path) == stamp:   # not written while it was read: the digest is that stamp's
+            self.entries[str(path)] = [stamp, h.hexdigest()]
+            self.changed = True
         return h.hexdigest()
 
     def save(self) -> None:
