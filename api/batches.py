@@ -17,7 +17,7 @@ from jobs import ledger, spec
 from jobs.ledger import JobStatus
 from jobs.openai_format import batch_object
 from jobs.paths import check_job_id, file_path
-from jobs.request_fields import ENDPOINTS
+from jobs.request_fields import ENDPOINTS, Bad, storable
 from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
 from jobs.submission import EndpointMismatch, OverCapacity, create_job_from_file
 from workers.broker import BrokerUnavailable
@@ -33,6 +33,21 @@ class BatchRequest(BaseModel):
     completion_window: str
     # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def _check_storable(body: BatchRequest) -> None:
+    """400 for text the ledger cannot store (a NUL, a lone surrogate: jobs.request_fields.storable)
+    in what is looked up or stored, before anything is: the input file's id and the metadata."""
+    try:
+        storable("input_file_id", body.input_file_id)
+    except Bad as e:
+        raise ApiError(400, str(e), param="input_file_id") from None
+    for k, v in (body.metadata or {}).items():
+        try:
+            storable(f"metadata key {k!r}", k)
+            storable(f"metadata[{k!r}]", v)
+        except Bad as e:
+            raise ApiError(400, str(e), param="metadata") from None
 
 
 def batch_of(config, job: ledger.Job) -> dict:
@@ -69,6 +84,7 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         parse_window(body.completion_window)
     except ValueError as e:
         raise ApiError(400, f"completion_window: {e}", param="completion_window") from None
+    _check_storable(body)
     priority = (body.metadata or {}).get("priority", DEFAULT_PRIORITY)
     if priority not in PRIORITIES:
         raise ApiError(400, f"metadata.priority must be one of {', '.join(PRIORITIES)}, got {priority!r}",

@@ -5,6 +5,8 @@ AuthenticationError, 404 NotFoundError, 409 ConflictError, ...) and shows the me
 """
 from __future__ import annotations
 
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,10 +24,19 @@ class ApiError(Exception):
         return error_response(self.status, self.message, code=self.code, param=self.param, type=self.type)
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a message or param that quotes what the
+    client sent (a lone surrogate from a "\\ud800" escape, which UTF-8 cannot carry) is
+    still written, as the escape it came as, instead of failing the response with a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None,
                    type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return _AsciiJSONResponse(body, status_code=status, headers=headers)
 
 
 def not_found(kind: str, object_id: str, param: str = "id") -> ApiError:

@@ -16,6 +16,7 @@ from api.errors import ApiError, not_found
 from api.uploads import receive_upload
 from jobs import file_scan, ledger, spec
 from jobs.paths import check_file_id, file_path, files_dir, new_file_id
+from jobs.request_fields import Bad, storable
 
 router = APIRouter()
 _CHUNK = 1 << 16
@@ -77,6 +78,11 @@ async def upload_file(request: Request, key: ledger.ApiKey = Depends(caller)):
 def list_files(request: Request, key: ledger.ApiKey = Depends(caller), purpose: str | None = None,
                after: str | None = None, limit: int = Query(10000, ge=1, le=10000),
                order: Literal["asc", "desc"] = "desc"):
+    if purpose is not None:   # compared in SQL: no NUL (PostgreSQL's text cannot hold one)
+        try:
+            storable("purpose", purpose)
+        except Bad as e:
+            raise ApiError(400, str(e), param="purpose") from None
     cursor = owned_file(request, key, after) if after else None
     with request.app.state.config.Session() as s:
         rows = ledger.list_files(s, key.id, purpose=purpose, after=cursor, limit=limit + 1,

@@ -10,7 +10,8 @@ Strict, so that what is registered is exactly what the client sent: the form mus
 its closing boundary (a body cut short, by the client or by a Content-Length shorter than
 what was sent, is refused: python_multipart's finalize() does not check this itself), it
 has exactly one file part, and everything else in it (the other fields, part headers,
-boundaries) is limited in size and count, whatever the transfer encoding.
+boundaries) is limited in size and count, whatever the transfer encoding. A file name the
+ledger could not store (a NUL) is refused before a byte of the file is written.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from api.errors import ApiError
 from jobs.atomic import atomic_write
+from jobs.request_fields import Bad, storable
 
 _MAX_FIELD_BYTES = 64 * 1024   # the form's other fields (purpose) are short words: all of them together
 _MAX_PARTS = 16
@@ -85,6 +87,10 @@ async def receive_upload(request: Request, dest: Path, max_bytes: int, file_fiel
                                    param=file_field)
                 part.is_file = True
                 upload.filename = disposition.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
+                try:   # the ledger keeps the name (a NUL: PostgreSQL's text cannot hold one)
+                    storable("the file's name", upload.filename)
+                except Bad as e:
+                    raise ApiError(400, f"{e}; rename the file", param=file_field) from None
 
         def on_part_data(data, start, end):
             chunk = data[start:end]

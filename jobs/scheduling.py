@@ -34,20 +34,26 @@ def parse_window(text: str) -> timedelta:
     """A completion window such as "24h", "8h", "30m", "20s" (or "2d") as a timedelta;
     ValueError for anything else: a window of zero, one longer than MAX_WINDOW, spaces,
     digits other than ASCII 0-9. The CLI and the HTTP API both use this one parser."""
-    seconds = parse_duration(text, "a completion window").total_seconds()
-    if seconds > MAX_WINDOW.total_seconds():
-        raise ValueError(f"a completion window is at most {MAX_WINDOW.days} days "
-                         f"({int(MAX_WINDOW.total_seconds() // 3600)}h); got {text!r}")
-    return timedelta(seconds=seconds)
+    return parse_duration(text, "a completion window", longest=MAX_WINDOW,
+                          longest_text=f"{MAX_WINDOW.days} days ({int(MAX_WINDOW.total_seconds() // 3600)}h)")
 
 
-def parse_duration(text: str, what: str = "a duration") -> timedelta:
-    """A positive whole number of seconds, minutes, hours or days ("30d", "24h", "20s")."""
+def parse_duration(text: str, what: str = "a duration", *, longest: timedelta | None = None,
+                   longest_text: str | None = None) -> timedelta:
+    """A positive whole number of seconds, minutes, hours or days ("30d", "24h", "20s"), at
+    most `longest` (said as longest_text): ValueError otherwise, never an OverflowError (12
+    digits of days are more than a timedelta holds)."""
     m = _WINDOW.fullmatch(text) if isinstance(text, str) else None
     if not m or int(m[1]) == 0:
         raise ValueError(f"{what} is a positive whole number of seconds, minutes, hours or "
                          f"days, such as 24h, 8h, 30m or 20s; got {text!r}")
-    return timedelta(seconds=int(m[1]) * _UNIT_S[m[2]])
+    seconds = int(m[1]) * _UNIT_S[m[2]]
+    if longest is not None and seconds > longest.total_seconds():
+        raise ValueError(f"{what} is at most {longest_text or longest}; got {text!r}")
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"{what} is too long; got {text!r}") from None
 
 
 def expired_error(window: str | None) -> str:

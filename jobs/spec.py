@@ -30,7 +30,8 @@ from jobs.input_fields import request_inputs
 from jobs.input_file import open_regular_file, read_lines
 from jobs.request_fields import (
     CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
-    STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, string, too_deep,
+    STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, storable, string,
+    too_deep,
 )
 from jobs.plain_lines import PlainLines
 from jobs.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
@@ -205,7 +206,10 @@ class _Reader:
         if self._plain is not None and (line := self._plain_line(number, obj, fmt)) is not None:
             if line["id"] is None:
                 line["id"] = _default_id(number)
-            self._claim(number, line["id"], [])
+            refused: list[str] = []
+            self._claim(number, line["id"], refused)
+            if refused:
+                raise Bad("; ".join(refused))
             return line
         problems: list[str] = []
         if fmt == "openai":
@@ -385,7 +389,14 @@ class _Reader:
         return (rid, *openai_body(endpoint, body, self.limits.max_id_chars, problems))
 
     def _claim(self, number: int, rid: str, problems: list[str]) -> None:
-        # Whether another line has the id is known once the whole file is read (jobs.validation.complete).
+        """Claim the line's id, unless the ledger could not store it (a NUL, a lone surrogate:
+        the stored answers' index keeps it). Whether another line has it is known once the
+        whole file is read (jobs.validation.complete)."""
+        try:
+            storable("custom_id" if self.input_format == "openai" else "id", rid)
+        except Bad as e:
+            problems.append(str(e))
+            return
         self.ids.add(rid, number)
 
     def claimed_id(self, number: int, obj: dict) -> str:

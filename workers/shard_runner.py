@@ -140,7 +140,14 @@ def run_shard(
                 released = ledger.release_shard(s, job_id, index, attempt)
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
-        if not commit_rows(Session, paths, job_id, index, attempt, rows, status, answers=answers_of(specs, rows)):
+        try:
+            committed = commit_rows(Session, paths, job_id, index, attempt, rows, status,
+                                    answers=answers_of(specs, rows))
+        except Exception as e:   # its cause goes on the shard, so the reaper gives it, not "stopped responding"
+            cause = str(e).splitlines()[0][:500] if str(e) else ""   # a database error's first line, not its SQL
+            _note_error(Session, job_id, index, attempt, f"committing the shard failed: {type(e).__name__}: {cause}")
+            raise
+        if not committed:
             return ShardOutcome.LOST
         metrics.count_results(rows, job.model)
     finally:

@@ -159,17 +159,25 @@ def db_upgrade_command(settings):
     click.echo("the ledger schema is up to date")
 
 
+MAX_AGE_DAYS = 36500   # a century: older than any ledger; an age past year 1 cannot even be subtracted
+
+
 def _age(ctx, param, value):
+    """gc's age, read by the parser of the completion windows (jobs.scheduling); one too large
+    to subtract from today is a usage error like a malformed one, never an OverflowError."""
+    from datetime import timedelta
+
     from jobs.scheduling import parse_duration
     try:
-        return parse_duration(value, "an age")
+        return parse_duration(value, "an age", longest=timedelta(days=MAX_AGE_DAYS),
+                              longest_text=f"{MAX_AGE_DAYS}d (a century)")
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 
 
 @click.command("gc")
 @click.option("--older-than", required=True, callback=_age, metavar="AGE",
-              help="Delete the results of jobs that ended longer ago than this, e.g. 30d, 12h.")
+              help="Delete the results of jobs that ended longer ago than this, e.g. 30d, 12h (at most 36500d).")
 @settings_options()
 def gc_command(older_than, settings):
     """Delete old jobs' results and stats, and the index of their answers with them.

@@ -521,6 +521,57 @@ def test_a_full_disk_is_one_clear_line_not_a_traceback(tmp_path, tiny_model_dir)
     assert "No space left" in done.stderr or "database or disk is full" in done.stderr, done.stderr
 
 
+def test_ids_the_ledger_cannot_store_are_line_errors_at_submit(runner, db_url, data_root, tmp_path):
+    """A NUL in an id (PostgreSQL's text cannot hold one: every commit of its shard failed) or a
+    lone surrogate: that line's error, on either ledger; a NUL in a prompt goes to Parquet: fine."""
+    from jobs.ledger import make_engine, session_factory
+    from worker_process import BROKER_URL, drop_queue
+
+    queue = f"pipeline-test-ids-{os.urandom(4).hex()}"
+    env = {"PIPELINE_DATABASE_URL": db_url, "PIPELINE_BROKER_URL": BROKER_URL, "PIPELINE_QUEUE": queue}
+    pipeline_lines = write_jsonl(tmp_path / "pipeline.jsonl", [
+        '{"id": "fine", "prompt": "a NUL \\u0000 in a prompt is fine"}',
+        '{"id": "nul\\u0000x", "prompt": "Hi"}',
+        '{"id": "\\ud800", "prompt": "Hi"}'])
+    openai_lines = write_jsonl(tmp_path / "openai.jsonl", [
+        {"custom_id": "fine", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}},
+        '{"custom_id": "nul\\u0000x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}'])
+    try:
+        result = runner.invoke(main, ["submit", str(pipeline_lines), *FAST], env=env)
+        assert result.exit_code == 2, result.output
+        assert "2 error(s)" in result.stderr and "line 1:" not in result.stderr
+        assert "line 2: id contains a NUL character (\\u0000)" in result.stderr
+        assert "line 3: id contains an unpaired surrogate '\\ud800'" in result.stderr
+        result = runner.invoke(main, ["submit", str(openai_lines), *FAST], env=env)
+        assert result.exit_code == 2 and "line 2: custom_id contains a NUL" in result.stderr, result.output
+    finally:
+        drop_queue(queue)
+    engine = make_engine(db_url)
+    with session_factory(engine)() as s:
+        assert list_jobs(s) == []
+    engine.dispose()
+
+
+@pytest.mark.parametrize("age", ["99999999d", "999999999999d", "999999999999h", "36501d"])
+def test_gc_refuses_an_age_too_large_as_bad_usage(runner, data_root, age):
+    result = runner.invoke(main, ["gc", "--older-than", age])
+    assert result.exit_code == 2 and "an age is at most 36500d" in result.stderr, result.output
+    assert isinstance(result.exception, SystemExit)   # a usage error, not an OverflowError
+    assert runner.invoke(main, ["gc", "--older-than", "36500d"]).exit_code == 0
+
+
+def test_key_names_the_ledger_cannot_store_are_bad_usage(runner, db_url, data_root):
+    """A name given in bytes that are not UTF-8 reaches Python as a lone surrogate: `keys revoke`
+    raised the driver's UnicodeEncodeError (a traceback, exit 1) on either ledger."""
+    env = {"PIPELINE_DATABASE_URL": db_url}
+    for command in (["keys", "add", "team-\udcff"], ["keys", "revoke", "team-\udcff"]):
+        result = runner.invoke(main, command, env=env)
+        assert result.exit_code == 2 and "unpaired surrogate" in result.stderr, result.output
+        assert isinstance(result.exception, SystemExit)
+    assert runner.invoke(main, ["keys", "add", "team-é"], env=env).exit_code == 0
+    assert "team-é" in runner.invoke(main, ["keys", "list"], env=env).stdout
+
+
 def test_token_ids_beyond_the_models_vocabulary_are_refused_at_submit_with_their_lines(runner, data_root, tmp_path,
                                                                                      tiny_model_dir):
     """The model's vocabulary (its config's vocab_size, 49152 for the tiny model) bounds every
