@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import batches, errors, files, models
+from api.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_h11
 from api.limits import RequestLimits
 from jobs.settings import Settings
 from jobs.spec import Limits
@@ -28,6 +29,9 @@ class ServerConfig:
     shard_size: int = 256
     limits: Limits = field(default_factory=Limits)
     served_names: tuple[str, ...] = ()   # --served-model-name: the names lines may use instead
+    # A connection is closed when its request head or body does not come in time (api.connections).
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
 
     @property
     def model_names(self) -> str | tuple[str, ...]:
@@ -72,5 +76,7 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     if removed:
         logging.getLogger(__name__).warning("removed %d file(s) left by an interrupted upload", removed)
 
-    # timeout_keep_alive: an idle connection is closed after 5 s; h11 bounds the headers (16 KiB).
-    uvicorn.run(asgi_app(config), host=host, port=port, log_level="info", access_log=True, timeout_keep_alive=5)
+    # timeout_keep_alive: an idle connection is closed 5 s after its last response; h11 bounds
+    # the headers (16 KiB); api.connections closes a request whose head or body does not come.
+    uvicorn.run(asgi_app(config), host=host, port=port, log_level="info", access_log=True, timeout_keep_alive=5,
+                http=timed_h11(config.header_timeout_s, config.body_timeout_s))

@@ -1,20 +1,17 @@
-"""Limits on every request body: its size and how long each read of it may wait.
+"""The limit on every request body's size.
 
 A pure ASGI middleware around the app. The upload route (POST /v1/files) streams its body
 through api.uploads, which enforces the upload limit itself; every other body (the JSON of
 POST /v1/batches) may be at most MAX_JSON_BODY_BYTES, refused from its Content-Length or,
-chunked, as soon as it passes it. A client that stops sending in the middle of a body is
-answered 408 after READ_TIMEOUT_S instead of holding its connection; headers are bounded by
-uvicorn (h11's 16 KiB, and its keep-alive timeout: api.app.serve).
+chunked, as soon as it passes it. How long a body may take is the connection's business
+(api.connections closes one whose body stalls or trickles); headers are bounded by uvicorn
+(h11's 16 KiB) and in time by api.connections too.
 """
 from __future__ import annotations
-
-import asyncio
 
 from api.errors import error_response
 
 MAX_JSON_BODY_BYTES = 1024 * 1024
-READ_TIMEOUT_S = 30.0
 UPLOAD_PATH = "/v1/files"
 
 
@@ -28,8 +25,8 @@ class _Refused(BaseException):
 
 
 class RequestLimits:
-    def __init__(self, app, max_body_bytes: int = MAX_JSON_BODY_BYTES, read_timeout_s: float = READ_TIMEOUT_S):
-        self.app, self.max_body_bytes, self.read_timeout_s = app, max_body_bytes, read_timeout_s
+    def __init__(self, app, max_body_bytes: int = MAX_JSON_BODY_BYTES):
+        self.app, self.max_body_bytes = app, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -44,11 +41,7 @@ class RequestLimits:
 
         async def limited_receive():
             nonlocal received
-            try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
-            except asyncio.TimeoutError:
-                raise _Refused(408, f"the request body stopped arriving for {self.read_timeout_s:g} s",
-                               "request_timeout") from None
+            message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if limit is not None and received > limit:

@@ -18,8 +18,18 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @SERVED_MODEL_NAME
+# api.connections' timeouts (its defaults, given here so that `pipeline --help` imports no uvicorn).
+@click.option("--header-timeout", default=10.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0, min_open=True, max=3600),
+              help="Close a connection whose request line and headers are not whole this long after it "
+                   "opened (or after its last response).")
+@click.option("--body-timeout", default=30.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0, min_open=True, max=3600),
+              help="Close a connection whose request body brings less than 1 KiB a second over this long "
+                   "(a stalled or trickled body).")
 @settings_options("broker_url", "max_upload_bytes")
-def serve_command(host, port, engine_options, shard_size, served_model_names, settings):
+def serve_command(host, port, engine_options, shard_size, served_model_names, header_timeout, body_timeout,
+                  settings):
     """Serve the OpenAI Files and Batches API at http://HOST:PORT/v1 until stopped.
 
     An OpenAI batch script works unchanged with base_url="http://HOST:PORT/v1" and a key of
@@ -41,7 +51,8 @@ def serve_command(host, port, engine_options, shard_size, served_model_names, se
         click.echo(f"warning: serving on {host}, beyond this machine, over plain HTTP: put TLS in front", err=True)
     config = ServerConfig(settings=settings, Session=Session, model=engine_options.get("model") or BUNDLED_NAME,
                           engine_options=engine_options, shard_size=shard_size,
-                          served_names=tuple(served_model_names))
+                          served_names=tuple(served_model_names), header_timeout_s=header_timeout,
+                          body_timeout_s=body_timeout)
     serve(config, host, port)
 
 
