@@ -416,9 +416,9 @@ class Engine:
                 seq.num_forks = 0
                 for child in children:
                     child.overlaps = seq.overlaps
-                if seq.matcher is not None:
+                if seq.matcher is not None:   # no token consumed yet: a copy is a fresh matcher
                     for child in children:
-                        child.matcher = self.structured.matcher(seq.params.structured_output)
+                        child.matcher = seq.matcher.deep_copy()
                 for child in self.scheduler.fork(seq, children):
                     order.append(child)
                     rows.append(row)
@@ -517,6 +517,14 @@ class Engine:
         matcher = seq.matcher
         if matcher is not None:
             matcher.consume_token(token)   # the mask allowed it; an error shows in is_error()
+            if matcher.is_error():
+                # llguidance failed on this token (a lexer or parser limit) or in the mask before
+                # it (nothing could follow: the mask allowed only end-of-sequence): this request
+                # ends as an error (_output_of takes the message from the matcher), its text
+                # what the grammar had accepted.
+                seq.detokenizer.flush()
+                seq.finish_reason, seq.valid = FinishReason.ERROR, False
+                return True
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = FinishReason.STOP
         elif seq.detokenizer.add_token(token):
@@ -540,6 +548,8 @@ class Engine:
 
 def _output_of(seq: Sequence, error: str | None = None, logprobs: list[dict] | None = None,
                prompt_logprobs: list[dict] | None = None, embedding: list[float] | None = None) -> RequestOutput:
+    if error is None and seq.finish_reason is FinishReason.ERROR and seq.matcher is not None and seq.matcher.is_error():
+        error = StructuredOutputs.failure(seq.matcher, seq.detokenizer.text)   # its grammar failed (Engine._ends)
     return RequestOutput(
         id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
         finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,

@@ -3,6 +3,11 @@
 The specs and their grammars are pipeline.structured_output; here llguidance's matchers
 turn them into a bitmask per row, computed on the host, unpacked on the device and
 applied as -inf to the rows of constrained sequences only.
+
+llguidance never raises for a grammar that fails: its matcher enters an error state, at
+creation, in a mask (whose only token is then end-of-sequence) or on a token it consumes
+(a lexer or parser limit). The engine reads that state after each token and ends that
+request alone with finish_reason "error" and `failure`'s message.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+from pipeline.structured_output import failure as grammar_failure
 from pipeline.structured_output import grammar_of
 
 
@@ -36,8 +42,14 @@ class StructuredOutputs:
 
         matcher = LLMatcher(self._llg_tokenizer(), grammar_of(spec), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured output: {matcher.get_error()}")
+            raise ValueError(f"structured output: {grammar_failure(matcher.get_error())}")
         return matcher
+
+    @staticmethod
+    def failure(matcher, text: str) -> str:
+        """The error of a request whose matcher failed while it decoded: llguidance's reason,
+        after `text`, the answer the grammar had accepted."""
+        return f"structured output: {grammar_failure(matcher.get_error(), text)}"
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:

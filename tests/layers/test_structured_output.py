@@ -189,6 +189,130 @@ def test_bad_specs_say_what_is_wrong(spec, says):
         SamplingParams(structured_output=spec)
 
 
+# ---- grammars that fail: refused where it can be decided, else the request's own error -------
+
+CYCLE = {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}
+# Decidable without the model: what every answer must start with already fails.
+FAILING_SPECS = {
+    "repetition": ({"regex": "a{1000000}"}, "llguidance cannot follow the grammar: lexer error: too many expressions"),
+    "nested repetition": ({"regex": "(a{1000}){1000}"}, "lexer error: too many expressions constructed"),
+    "lark repetition": ({"grammar": 'start: "a"~1000000'}, "parser error: Too many items"),
+    "$ref cycle": ({"json": {"$defs": CYCLE, "$ref": "#/$defs/a"}}, "the grammar admits no answer (llguidance: NoExtension"),
+    "$ref to itself": ({"json": {"$ref": "#"}}, "the grammar admits no answer (llguidance: NoExtension"),
+    "required $ref cycle": ({"json": {"$defs": CYCLE, "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                      "required": ["x"]}},
+                            """the grammar admits no answer that starts with '{"x":' (llguidance: NoExtension"""),
+    "lark cycle": ({"grammar": "start: a\na: b\nb: a"}, "the grammar admits no answer (llguidance: NoExtension"),
+    "lark cycle after a literal": ({"grammar": 'start: "x" a\na: b\nb: a'},
+                                   "the grammar admits no answer that starts with 'x' (llguidance"),
+}
+# Fails only on some answers (the model's choice decides), or names the model's own tokens:
+# accepted at submit; the engine reports what happens.
+LIMIT_ON_ONE_BRANCH = {"regex": "b|a{1000000}"}
+CYCLE_ON_ONE_BRANCH = {"grammar": 'start: "x" | "y" a\na: b\nb: a'}
+
+
+@pytest.mark.parametrize("name", FAILING_SPECS)
+def test_a_grammar_that_admits_no_answer_or_that_llguidance_cannot_follow_is_refused(name):
+    spec, says = FAILING_SPECS[name]
+    problem = check(spec)
+    assert problem is not None and says in problem, problem
+    assert "\n" not in problem and "<state>" not in problem
+    with pytest.raises(ValueError, match="structured_output: .*" + re.escape(says[-20:])):
+        SamplingParams(structured_output=spec)
+
+
+@pytest.mark.parametrize("spec", [
+    LIMIT_ON_ONE_BRANCH, CYCLE_ON_ONE_BRANCH,
+    {"regex": "a{10000}"},                                         # long, but within llguidance's limits
+    {"grammar": 'start: "a" <|im_end|>'},                          # a token of the model's (no byte of text)
+    {"json": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}, "y": {"type": "integer"}},
+              "required": ["y"], "$defs": CYCLE}},                 # the cycle is optional
+    {"choice": ["yes"]},
+])
+def test_a_grammar_that_only_some_answers_fail_is_accepted(spec):
+    assert check(spec) is None
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["steps", "overlapped-steps"])
+def tiny_engine(request, tiny_model_dir):
+    return Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=512, block_size=16,
+                               max_num_batched_tokens=64, max_num_seqs=32, overlap_steps=request.param))
+
+
+def test_a_grammar_that_fails_while_decoding_ends_its_own_request_as_an_error(tiny_engine):
+    """logit_bias steers each failing request onto the branch that fails: "a" in b|a{1000000}
+    (llguidance's lexer gives up on the token after it), "y" in "x" | "y" <cycle> (the mask
+    after it has nothing, so it allows only end-of-sequence). Each ends `error` with
+    llguidance's reason, each choice of an n = 2 request alike, while its neighbours in the
+    same steps get exactly the tokens they get alone."""
+    a, y = tiny_engine.tokenizer.convert_tokens_to_ids(["a", "y"])
+    neighbours = [constrained(0), constrained(1), free(0)]
+    alone = {out.id: out for out in tiny_engine.generate(neighbours)}
+    failing = [
+        Request("limit", prompt="Say a", params=SamplingParams(temperature=0, max_tokens=8, logit_bias={a: 100},
+                                                               structured_output=LIMIT_ON_ONE_BRANCH)),
+        Request("dead-end", prompt="Say y", params=SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8,
+                                                                  logit_bias={y: 100},
+                                                                  structured_output=CYCLE_ON_ONE_BRANCH)),
+    ]
+    outs = {(out.id, out.choice): out for out in tiny_engine.generate([failing[0], *neighbours, failing[1]])}
+    limit = outs["limit", 0]
+    assert (limit.finish_reason, limit.valid, limit.text, limit.token_ids[0]) == ("error", False, "a", a)
+    assert limit.error == ("structured output: llguidance cannot follow the grammar after 'a': "
+                           "lexer error: too many expressions constructed")
+    for choice in (0, 1):
+        dead = outs["dead-end", choice]
+        assert (dead.finish_reason, dead.valid, dead.text, dead.token_ids[0]) == ("error", False, "y", y)
+        assert dead.error.startswith("structured output: the grammar admits no answer that starts with 'y' "
+                                     "(llguidance: NoExtension"), dead.error
+    for rid, before in alone.items():
+        after = outs[rid, 0]
+        assert (after.token_ids, after.finish_reason, after.valid, after.error) == (
+            before.token_ids, before.finish_reason, before.valid, None), rid
+        assert after.finish_reason in ("stop", "length")
+
+
+def test_the_choices_of_an_n_request_each_follow_their_own_copy_of_the_grammar(tiny_engine):
+    choices = {"choice": ["yes", "no", "maybe", "perhaps", "never"]}
+    outs = list(tiny_engine.generate([Request("n", prompt="Well?", params=SamplingParams(
+        temperature=1.5, seed=5, n=6, max_tokens=8, structured_output=choices))]))
+    assert sorted(out.choice for out in outs) == list(range(6))
+    assert all(out.finish_reason == "stop" and out.valid and out.text in choices["choice"] for out in outs)
+    assert len({out.text for out in outs}) > 1   # each choice samples its own answer
+
+
+# ---- the compile caches: bounded in bytes ---------------------------------------------------
+
+def test_the_compile_caches_hold_a_bounded_number_of_bytes_least_recently_used_first():
+    from pipeline import structured_output
+
+    cache = structured_output._ByteBoundedCache(lambda key: key.upper(), max_bytes=10_000)
+    keys = [f"{i:04d}" + "x" * 996 for i in range(30)]   # about 2 KB per entry: key and value
+    for key in keys[:4]:
+        cache(key)
+    cache(keys[0])                                        # used again: now the most recent
+    for key in keys[4:6]:
+        cache(key)
+    assert cache.bytes <= 10_000 and (cache.hits, cache.misses) == (1, 6)
+    assert keys[0] in cache._entries and keys[1] not in cache._entries   # the least recently used went
+    cache("y" * 20_000)                                   # larger than the whole budget: not kept
+    assert "y" * 20_000 not in cache._entries and cache.bytes <= 10_000
+
+    # The real ones: a few hundred distinct 137 KB schemas (the issue's worker went from 2.6 to
+    # 4.6 GB with them) leave the grammar cache within its budget, the newest still cached.
+    grammars = structured_output._grammar
+    grammars.cache_clear()
+    schemas = [{"type": "object", "description": f"{i} " + "d" * 137_000} for i in range(400)]
+    for schema in schemas:
+        structured_output.grammar_of({"json": schema})
+    assert grammars.bytes <= grammars.max_bytes == 32 << 20
+    assert 50 < len(grammars) < 400
+    before = grammars.hits
+    structured_output.grammar_of({"json": schemas[-1]})
+    assert grammars.hits == before + 1
+
+
 # ---- through a job: OpenAI lines in, OpenAI lines out ---------------------------------------
 
 WEATHER = {"type": "function", "function": {
@@ -274,5 +398,4 @@ def test_validating_many_lines_that_share_one_schema_compiles_it_once(tmp_path):
     src.write_text("".join(line.replace('"x"', f'"x{i}"', 1) + "\n" for i in range(2000)))
     structured_output._check.cache_clear()
     assert validate(src).ok
-    info = structured_output._check.cache_info()
-    assert (info.misses, info.hits) == (1, 1999)
+    assert (structured_output._check.misses, structured_output._check.hits) == (1, 1999)
