@@ -374,6 +374,8 @@ def check_graph_replay(run: Run) -> None:
            max_abs_diff=max(diffs, default=None))
 
 
+# The checks of the Triton kernels themselves: skipped, with the reason, where Triton does not import.
+NEED_TRITON = {"paged_decode_kernel", "pointwise_kernels"}
 CHECKS = [("environment", check_environment, 0), ("numerics_float32", check_numerics_float32, 20),
           ("numerics_bf16", check_numerics_bf16, 20), ("cuda_graph_replay_equals_eager", check_graph_replay, 30),
           ("no_host_sync_in_decode_step", check_host_syncs, 15),
@@ -440,6 +442,15 @@ def main() -> int:
     return 1 if {"failed", "error"} & set(statuses) else 0
 
 
+def triton_missing() -> str | None:
+    """Why Triton cannot be imported (a plain `pip install -e .` on a CPU has none), or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def run_checks(run: Run) -> None:
     attention_log = logging.getLogger("pipeline.layers.attention")
     attention_log.setLevel(logging.INFO)
@@ -449,6 +460,10 @@ def run_checks(run: Run) -> None:
         raise ValueError(f"--only: no check named {', '.join(sorted(unknown))}")
     for i, (name, check, need_s) in enumerate(CHECKS):
         if name not in only:
+            continue
+        if name in NEED_TRITON and (missing := triton_missing()) is not None:
+            report(name, "skipped", reason=f"Triton does not import ({missing}): the check runs its kernels "
+                                           "(`pip install triton`; torch's CUDA wheels bring it)")
             continue
         if run.left() < need_s:
             report(name, "skipped", reason=f"wall-clock budget: {run.left():.0f} s left, it needs about {need_s} s")
