@@ -14,23 +14,32 @@ covered by the lease and the reaper (workers.recovery), not by this timeout.
 """
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, signals
 from kombu import Queue
 
 from jobs.scheduling import PRIORITY_STEPS
 from jobs.settings import Settings
 from pipeline.engine_key import engine_key
-from jobs.arrow_pool import use_system_allocator
-from pipeline.host_memory import use_one_malloc_arena
-
-# First, before numpy and pyarrow start their threads: the engine steps in a thread of
-# its own and must share the main malloc arena (pipeline/host_memory.py). `pipeline
-# worker` has set it already; this covers `celery -A workers.app worker`.
-use_one_malloc_arena()
-use_system_allocator()   # and results written through the system's malloc (jobs/arrow_pool.py)
 
 # workers.lifecycle holds the signal handlers: importing it connects them.
 app = Celery("pipeline", include=["workers.tasks", "workers.lifecycle"])
+
+
+@signals.import_modules.connect
+def _worker_allocators(sender=None, **_):
+    """A worker's process-wide memory settings, made as it starts, before its task modules
+    import numpy and pyarrow (they start threads, and pyarrow picks its allocator when it is
+    imported): one malloc arena, so the engine's thread keeps its memory (pipeline/host_memory.py),
+    and results written through the system's malloc (jobs/arrow_pool.py). `pipeline worker` has
+    made them already (pipeline.cli.main, before any import); this is for `celery -A
+    workers.app worker`. Nothing is set by importing this module (producers import it)."""
+    from jobs.arrow_pool import use_system_allocator
+    from pipeline.host_memory import use_one_malloc_arena
+
+    use_one_malloc_arena()
+    use_system_allocator()
+
+
 app.conf.update(
     task_ignore_result=True,  # progress and outcomes live in the ledger
     task_serializer="json",

@@ -11,6 +11,8 @@ in the parent: CUDA must not be initialised before a fork). Besides that:
   With a prefork pool the children are told with SIGUSR2; a child killed outright (e.g.
   the whole process group got SIGTERM) loses its shard to the reaper instead, which
   re-enqueues it once its lease expires — delayed, never lost;
+* worker_shutdown (main process, once the shards have stopped): close the engine (waiting
+  for one still loading), so that the process exits 0 and never with SIGABRT;
 * worker_process_init (prefork child): drop the parent's ledger connections, take
   SIGUSR2 as the shutdown request, and load the engine.
 
@@ -109,6 +111,21 @@ def _release_running_shards(sig=None, how=None, **_):
             os.kill(child.pid, signal.SIGUSR2)
         except (ProcessLookupError, TypeError):
             pass
+
+
+@signals.worker_shutdown.connect
+def _close_engine(**_):
+    """Free this process's engine, joining its thread, once the warm shutdown has stopped the
+    shards: the interpreter must not exit while the engine's thread is inside a torch op (a
+    SIGTERM while the engine loads at start-up aborted the process: "terminate called without
+    an active exception", pytorch#38228, SIGABRT in 3 of 6 tries). A build in progress is
+    waited for, then closed, here where the log can say so (EngineLoop's own exit hook is the
+    backstop). (Prefork children end with os._exit: nothing to do.)"""
+    from workers.tasks import engines
+    cache = engines()
+    if cache.building:
+        log.info("waiting for the engine being loaded, to close it before exiting")
+    cache.close()
 
 
 @signals.worker_process_init.connect

@@ -19,10 +19,11 @@ another thus ran 8-10% of each step off the CPU on 2 cores (98% on it when one t
 does both, as in `pipeline bench`). The process should also call
 pipeline.host_memory.use_one_malloc_arena() before it starts threads.
 
-Every live loop is closed when the interpreter exits (atexit runs after the non-daemon
-threads ended, before the daemon ones are stopped): a daemon thread stopped inside a
-torch op aborts the whole process ("terminate called without an active exception",
-pytorch#38228), so a worker that shut down cleanly would still exit with SIGABRT.
+Every live loop, built or still building, is closed when the interpreter exits (atexit
+runs after the non-daemon threads ended, before the daemon ones are stopped; a build is
+waited for): a daemon thread stopped inside a torch op aborts the whole process
+("terminate called without an active exception", pytorch#38228), so a worker that shut
+down cleanly would still exit with SIGABRT.
 """
 from __future__ import annotations
 
@@ -84,13 +85,13 @@ class EngineLoop:
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine-loop", daemon=True)
+        _live_loops.add(self)   # before the build starts: an exit mid-build must wait for it too
         self._thread.start()
         self._built.wait()
         if self._build_error is not None:
             self._thread.join()
             raise self._build_error
         self.lookahead = self.engine.lookahead   # requests a stream keeps in the engine
-        _live_loops.add(self)
 
     @property
     def is_serving(self) -> bool:

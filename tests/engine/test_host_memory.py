@@ -18,8 +18,9 @@ if sys.argv[1] == "one":
 elif sys.argv[1] == "cli":   # any `pipeline` command
     from pipeline.cli import main
     main(["list"], standalone_mode=False)
-elif sys.argv[1] == "worker":   # what `celery -A workers.app worker` imports first
-    import workers.app, workers.tasks, workers.lifecycle
+elif sys.argv[1] == "worker":   # what `celery -A workers.app worker` does first: its modules, as it imports them
+    import workers.app
+    workers.app.app.loader.import_default_modules()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from jobs.paths import JobPaths, check_job_id
 from jobs.results import read_results
 from worker_process import BROKER_URL, drop_queue, worker
 
+REPO = Path(__file__).resolve().parents[2]
 QUEUE = f"pipeline-test-{uuid.uuid4().hex[:8]}"  # this session's own queue: no stray messages cross
 WAIT_S = 180
 
@@ -113,3 +117,60 @@ def test_the_shard_runner_imports_neither_celery_nor_torch():
     code = "import sys, workers.shard_runner; print(sorted({'celery', 'torch'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_worker_stopped_while_its_engine_loads_exits_0(data_root, tmp_path, tiny_model_dir):
+    """SIGTERM while the engine's thread is inside the torch ops of a load: the warm shutdown
+    waits for the load and closes the engine, so the process exits 0 (it aborted, SIGABRT:
+    "terminate called without an active exception", 3 runs of 3 here, before the close)."""
+    db_url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    upgrade(db_url)
+    release = tmp_path / "release-the-build"
+    env = {**pipeline_env(data_root, db_url), "TEST_BUILD_RELEASE": str(release), "PYTHONPATH": str(REPO)}
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.held_build", "pipeline.cli", "worker", "--loglevel", "info",
+                                 "--model", str(tiny_model_dir), "--kv-cache-gib", "0.05", "--device", "cpu"],
+                                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_log(proc, log_path, "building: held in torch ops")
+        wait_for_log(proc, log_path, " ready.")   # Celery takes SIGTERM as a warm shutdown from here on
+        proc.send_signal(signal.SIGTERM)
+        # the state this waits for: the shutdown waiting for the load (or, before, the process gone)
+        wait_for_log(proc, log_path, "waiting for the engine being loaded", until_exit=True)
+        release.touch()
+        returncode = proc.wait(timeout=WAIT_S)
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log_path.read_text(errors="replace")
+    assert returncode == 0 and "terminate called" not in output, output[-3000:]
+    assert "Warm shutdown" in output and "loaded in" in output   # it stopped mid-load, and waited for it
+
+
+def wait_for_log(proc, log_path, line: str, until_exit: bool = False) -> None:
+    """Until the worker's log holds `line` (or, until_exit, the worker has ended)."""
+    deadline = time.monotonic() + WAIT_S
+    while line not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None:
+            assert until_exit, log_path.read_text(errors="replace")[-3000:]
+            return
+        assert time.monotonic() < deadline, log_path.read_text(errors="replace")[-3000:]
+        time.sleep(0.1)
+
+
+def test_importing_the_app_sets_nothing_and_a_starting_worker_sets_its_allocators():
+    """workers.app used to set ARROW_DEFAULT_MEMORY_POOL (and the malloc arenas) when imported,
+    in every producer too; a worker makes them as it starts, before its task modules import
+    pyarrow (Celery's own start-up: loader.import_default_modules, as `celery -A workers.app
+    worker` runs it; `pipeline worker` makes them in pipeline.cli.main)."""
+    code = ("import os, workers.app\n"
+            "print(os.environ.get('ARROW_DEFAULT_MEMORY_POOL'))\n"
+            "workers.app.app.loader.import_default_modules()\n"
+            "import pyarrow\n"
+            "print(os.environ.get('ARROW_DEFAULT_MEMORY_POOL'), pyarrow.default_memory_pool().backend_name)\n")
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["None", "system system"], done.stdout + done.stderr
