@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.dataset as pads
+import pytest
 
 from jobs.ledger import get_job, get_shards, make_engine, session_factory
 from jobs.paths import JobPaths
@@ -20,14 +22,15 @@ from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.engine_key import engine_key
 from worker_process import BROKER_URL, drop_queue
+import hold
 
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_S = 3
 WAIT_S = 150  # the longest any one wait may take before the test fails (a loaded 2-core box)
 FAST = {"kv_cache_gib": 0.05, "device": "cpu"}
-# The tiny test model's context (conftest.TINY_LLAMA): long enough that a shard of long
-# requests lasts seconds of decode steps, which is what catching a worker mid-shard needs.
+# The tiny test model's context (conftest.TINY_LLAMA). A test that must catch a worker
+# mid-shard holds it there (tests/hold.py) rather than count on a shard lasting long enough.
 TINY_CONTEXT = 2048
 TOO_LONG_FOR_TINY = "word " * (TINY_CONTEXT + 100)   # a prompt over the tiny model's context
 
@@ -38,16 +41,14 @@ def long_rows(prefix: str, n: int, max_tokens: int = 1200) -> list[dict]:
             for i in range(n)]
 
 
-def warm_then_long(prefix: str, n_warm: int, n_long: int, max_tokens: int = 1200) -> list[dict]:
-    """Quick requests first (the first shards, which load each worker's engine), then long
-    ones: a worker is caught mid-generation on a long shard, and no cold long shards
-    compete for the CPU while the engines load."""
-    return long_rows(f"{prefix}-warm-", n_warm, 8) + long_rows(f"{prefix}-", n_long, max_tokens)
-
-
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+def _python_m(module_and_args: list[str], held: bool) -> list[str]:
+    """`python -m MODULE ARGS`, with held under tests/hold.py's hold."""
+    return [sys.executable, "-m", *(["tests.hold"] if held else []), *module_and_args]
 
 
 class Cluster:
@@ -65,6 +66,7 @@ class Cluster:
                     "PIPELINE_LEASE_SECONDS": str(LEASE_S), "PIPELINE_MAX_ATTEMPTS": "3",
                     "PIPELINE_RECOVERY_INTERVAL": "1", "PIPELINE_QUEUED_GRACE_SECONDS": "3",
                     "PIPELINE_WORKER_ENGINES": json.dumps([self.engine_options]),
+                    "TEST_HOLD_DIR": str(tmp_path / "holds"),   # tests/hold.py's releases
                     "PYTHONPATH": str(REPO), **{k: str(v) for k, v in env.items()}}
         self.engine = make_engine(db_url)
         self.Session = session_factory(self.engine)
@@ -72,20 +74,23 @@ class Cluster:
         self.logs: dict[int, Path] = {}
 
     # processes
-    def start_worker(self, app: str | None = None, pool: str = "solo", args=(), **env) -> subprocess.Popen:
-        """`pipeline worker ARGS`, or with app a plain `celery -A app worker`."""
+    def start_worker(self, app: str | None = None, pool: str = "solo", args=(), held: bool = False,
+                     **env) -> subprocess.Popen:
+        """`pipeline worker ARGS`, or with app a plain `celery -A app worker`; held: with
+        tests/hold.py's hold (its "held-" requests wait mid-generation for the test)."""
         name = f"w{len(self.procs)}"
         if app is None:
-            cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info", *args]
+            cmd = ["pipeline.cli", "worker", "--loglevel", "info", *args]
         else:
-            cmd = [sys.executable, "-m", "celery", "-A", app, "worker", f"--pool={pool}", "--concurrency=1",
+            cmd = ["celery", "-A", app, "worker", f"--pool={pool}", "--concurrency=1",
                    "--loglevel=info", "--without-gossip", "--without-mingle", "--without-heartbeat",
                    "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"]
-        return self.start_process(name, cmd, **env)
+        return self.start_process(name, _python_m(cmd, held), **env)
 
-    def start_cli(self, *args, **env) -> subprocess.Popen:
-        """A `pipeline` command (`run`, `resume`) as a subprocess, to be signalled; its log is kept."""
-        return self.start_process(f"{args[0]}{len(self.procs)}", [sys.executable, "-m", "pipeline.cli", *args], **env)
+    def start_cli(self, *args, held: bool = False, **env) -> subprocess.Popen:
+        """A `pipeline` command (`run`, `resume`) as a subprocess, to be signalled; its log is
+        kept. held: with tests/hold.py's hold."""
+        return self.start_process(f"{args[0]}{len(self.procs)}", _python_m(["pipeline.cli", *args], held), **env)
 
     def start_process(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
         """A process of this cluster (its environment, its log), stopped with the workers."""
@@ -96,6 +101,18 @@ class Cluster:
         self.procs.append(proc)
         self.logs[proc.pid] = log_path
         return proc
+
+    def wait_held(self, proc: subprocess.Popen, group: str = "held") -> str:
+        """The request id at which proc's engine holds `group` (tests/hold.py), once it does."""
+        # (a worker's stderr goes through Celery's logging: the line has a prefix)
+        pattern = re.compile(rf"held: (\S+) after \d+ tokens \(group {re.escape(group)}\)$", re.M)
+        return self.wait_for(f"process {proc.pid} holding {group} mid-generation",
+                             lambda: (proc.poll() is None or pytest.fail(f"it ended:\n{self.log(proc)}"))
+                             and (m := pattern.search(self.log(proc))) and m[1])
+
+    def release(self, group: str = "held") -> None:
+        """End the holds of `group` in this cluster's processes, now and later."""
+        hold.release(Path(self.env["TEST_HOLD_DIR"]), group)
 
     def log(self, proc: subprocess.Popen) -> str:
         return self.logs[proc.pid].read_text(errors="replace")

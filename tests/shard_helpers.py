@@ -9,6 +9,7 @@ from sqlalchemy import update
 from jobs.ledger import Shard, request_cancel
 from jobs.submission import create_job_from_file
 from workers.shard_runner import run_shard
+import hold
 
 
 def submit(Session, root, tmp_path, rows, options, shard_size=100):
@@ -19,19 +20,22 @@ def submit(Session, root, tmp_path, rows, options, shard_size=100):
 
 
 def long_requests(n):
-    # Long enough to outlast a few cancel polls (shard_runner.CANCEL_POLL_S, 0.5 s): at 400
-    # tokens an AMX Xeon finished three of them before the poll after the cancel.
-    return [{"id": f"long{i}", "prompt": "Go", "max_tokens": 1600, "ignore_eos": True} for i in range(n)]
+    """Requests the engine is held in (tests/hold.py) until their shard stops: no machine is
+    fast enough to finish them before the cancel poll (at 400 tokens an AMX Xeon finished
+    three of them before the poll after the cancel, when nothing held them)."""
+    return [{"id": f"long{i}", "prompt": "Go", "max_tokens": 64, "ignore_eos": True} for i in range(n)]
 
 
 def run_with_a_quick_request_first(Session, data_root, tmp_path, engines, options, n_long, then, **kwargs):
     """Run a shard of one quick request and n_long long ones, calling then(Session, job_id)
-    once the quick one has finished; returns (job_id, outcome)."""
+    once the quick one has finished; returns (job_id, outcome). The engine holds the long
+    ones four tokens in until the shard stops them (then's cancel or lost lease seen)."""
     job_id = submit(Session, data_root, tmp_path,
                     [{"id": "quick", "prompt": "Hi", "max_tokens": 1}, *long_requests(n_long)], options)
     on_result = lambda row: then(Session, job_id) if row["id"] == "quick" else None  # noqa: E731
-    return job_id, run_shard(Session, data_root, job_id, 0, engine_provider=engines.use, worker_name="t",
-                             on_result=on_result, **kwargs)
+    with hold.installed(prefix="long", group=lambda request_id: "long"):
+        return job_id, run_shard(Session, data_root, job_id, 0, engine_provider=engines.use, worker_name="t",
+                                 on_result=on_result, **kwargs)
 
 
 def cancel(Session, job_id):

@@ -19,6 +19,7 @@ from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
 from cluster import TOO_LONG_FOR_TINY
+import hold
 
 FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 
@@ -405,13 +406,21 @@ def test_request_timeouts_end_long_requests_as_failed_rows_keeping_their_text(ru
                                                                              tmp_path, Session):
     """--request-timeout for the job, timeout_s on a line winning over it: the long requests
     end `timeout` with what they had generated, count as failed, and `retry --only-failed`
-    would take them; the short ones answer normally. A bad timeout_s names its line."""
+    would take them; the short ones answer normally. A bad timeout_s names its line. The
+    engine holds the long ones four tokens in until both are past their timeouts
+    (tests/hold.py), so they cannot finish first on a fast machine, as they did unheld."""
     rows = [{"id": "long-job-timeout", "prompt": "Count", "max_tokens": 400, "ignore_eos": True},
             {"id": "long-own-timeout", "prompt": "Count", "max_tokens": 400, "ignore_eos": True, "timeout_s": 0.1},
             {"id": "short", "prompt": "Hi", "max_tokens": 3, "timeout_s": 600}]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
-    result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--request-timeout", "0.3", *FAST])
+    def group(request_id):
+        return "long" if request_id.startswith("long-") else request_id
+
+    with hold.installed(prefix="long-", group=group):
+        result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--request-timeout", "0.3",
+                                      *FAST])
     assert result.exit_code == 0, result.output   # the job ran to the end
+    assert "held: long-" in result.output   # they were held before their timeouts
     with Session() as s:
         (job,) = list_jobs(s)
     table = {r["id"]: r for r in read_results(JobPaths(data_root, job.id).results_dir).to_pylist()}

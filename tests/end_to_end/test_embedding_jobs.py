@@ -65,23 +65,22 @@ def test_an_embedding_job_on_minilm_equals_sentence_transformers(runner, data_ro
 
 def test_sigkill_mid_embedding_shard_every_input_once(sqlite_url, cluster_factory):
     """Embedding lines of many inputs each (token ids on the tiny decoder): a worker killed
-    while it embeds a long shard, the survivor redoes it, each (id, input) exactly once."""
+    while it embeds a long shard, the survivor redoes it, each (id, input) exactly once.
+    Both workers hold their long shards once an input is under way (tests/hold.py) until
+    the kill: a fast machine embedded a whole shard in 0.35 s, too quick to be caught."""
     c: Cluster = cluster_factory(sqlite_url)
     rng = random.Random(0)
     warm = [{"id": f"w{i}", "input": "hello"} for i in range(4)]
-    long = [{"id": f"k{i:02d}", "input": [[rng.randrange(100, 40000) for _ in range(480)] for _ in range(48)]}
+    long = [{"id": f"held-k{i:02d}", "input": [[rng.randrange(100, 40000) for _ in range(480)] for _ in range(48)]}
             for i in range(18)]
-    # Prefill chunks of 32 tokens (not in the engine key): a long shard is 2,160 engine steps,
-    # seconds on any machine, where whole inputs per step let a fast machine embed a shard
-    # in 0.35 s, too quick to be caught mid-shard.
-    engines = json.dumps([{**c.engine_options, "max_num_batched_tokens": 32}])
-    workers = [c.start_worker(PIPELINE_WORKER_ENGINES=engines) for _ in range(2)]
+    workers = [c.start_worker(held=True) for _ in range(2)]
     job_id = c.submit(warm + long, shard_size=3)
     victim = c.wait_for("a long shard embedding", lambda: c.running_mid_generation(job_id, long_from=2))
     a = c.wait_for("the victim's worker process",
-                   lambda: next((p for p in workers if victim.worker.endswith(f":{p.pid}")), None), timeout=5)
+                   lambda: next((p for p in workers if victim.worker.endswith(f":{p.pid}")), None))
     a.kill()
     a.wait()
+    c.release()
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(warm) + len(long)
     c.assert_exactly_once(job_id, [r["id"] for r in warm + long], {r["id"]: 48 for r in long})
@@ -89,7 +88,7 @@ def test_sigkill_mid_embedding_shard_every_input_once(sqlite_url, cluster_factor
     assert redone.status == "completed" and redone.attempt > victim.attempt
     rows = read_results(JobPaths(c.root, job_id).results_dir).to_pylist()
     assert all(len(r["embedding"]) == 64 for r in rows)   # the tiny model's hidden size
-    assert all(r["prompt_tokens"] == 480 for r in rows if r["id"].startswith("k"))
+    assert all(r["prompt_tokens"] == 480 for r in rows if r["id"].startswith("held-k"))
 
 
 def test_a_generation_file_for_an_encoder_is_refused_whole(runner, data_root, tmp_path, minilm_dir):

@@ -43,30 +43,39 @@ from jobs.results import read_results
 from jobs.submission import create_job_from_file
 from pipeline.cli import main
 from worker_process import drop_queue
-from cluster import REPO, TINY_CONTEXT, TOO_LONG_FOR_TINY, WAIT_S, Cluster, long_rows, warm_then_long, write_jsonl
+from cluster import REPO, TINY_CONTEXT, TOO_LONG_FOR_TINY, WAIT_S, Cluster, long_rows, write_jsonl
 
 
 # --- helpers --------------------------------------------------------------------------------
+
+def quick_then_held(n_quick: int, n_held: int, max_tokens: int = 64) -> list[dict]:
+    """Quick requests first (the first shards, which load the engine), then requests that
+    tests/hold.py holds mid-generation ("held-000", ...: group "held") until the test has
+    acted, so they need not be long: nothing races."""
+    return long_rows("quick-", n_quick, 8) + long_rows("held-", n_held, max_tokens)
 
 
 # --- a worker killed mid-shard ---------------------------------------------------------------
 
 def test_sigkill_mid_shard_second_worker_finishes_exactly_once(db_url, cluster_factory):
     """The killed worker holds two shards in flight (PIPELINE_SHARDS_IN_FLIGHT, 2 by
-    default): both are redone by the survivor, every id exactly once."""
+    default): both are redone by the survivor, every id exactly once. Both workers hold
+    their shards mid-generation (tests/hold.py) until the kill, so the victims cannot
+    commit first however fast the machine; the survivor's hold is then released."""
     c = cluster_factory(db_url)
-    rows = warm_then_long("k", 6, 12)
-    choices = {r["id"]: 3 for r in rows[6::4]}   # a few long ones want 3 answers: each (id, choice) once
+    rows = long_rows("held-", 12, 64)   # four shards for the two workers' four slots
+    choices = {r["id"]: 3 for r in rows[::4]}   # a few want 3 answers: each (id, choice) once
     for r in rows:
         r["n"] = choices.get(r["id"], 1)
-    workers = [c.start_worker(), c.start_worker()]
+    workers = [c.start_worker(held=True), c.start_worker(held=True)]
     job_id = c.submit(rows, shard_size=3)
     victims = c.wait_for("two shards generating in one worker",
-                         lambda: c.running_mid_generation(job_id, together=2, long_from=2))
-    a = c.wait_for("the victims' worker process", lambda: _owner(victims[0], workers), timeout=5)
+                         lambda: c.running_mid_generation(job_id, together=2, long_from=0))
+    a = c.wait_for("the victims' worker process", lambda: _owner(victims[0], workers))
     b = next(p for p in workers if p is not a)
     a.kill()  # SIGKILL: no cleanup, the leases just stop being renewed
     a.wait()
+    c.release()
     job = c.wait_until_ended(job_id)
     assert job.status == "completed" and job.completed_requests == len(rows)
     c.assert_exactly_once(job_id, [r["id"] for r in rows], choices)
@@ -84,9 +93,12 @@ def test_visibility_timeout_redelivery_never_duplicates(postgres_url, cluster_fa
     """With a 2 s visibility timeout, Redis hands a running shard's message to the idle
     worker again and again; those copies find the shard leased and are dropped."""
     c = cluster_factory(postgres_url, PIPELINE_VISIBILITY_TIMEOUT=2)
-    rows = long_rows("v", 4, 20) + long_rows("w", 4, 1800)  # shard 1 runs many times longer
-    c.start_worker(), c.start_worker()
+    rows = long_rows("v", 4, 20) + long_rows("held-", 4, 64)   # shard 1 held until a copy of it came back
+    c.start_worker(held=True), c.start_worker(held=True)
     job_id = c.submit(rows, shard_size=4)
+    c.wait_for("a redelivered copy dropped as busy", lambda: "'busy'" in c.all_logs())
+    assert c.shards(job_id)[1].status == "running"
+    c.release()
     job = c.wait_until_ended(job_id)
     assert job.status == "completed"
     c.assert_exactly_once(job_id, [r["id"] for r in rows])
@@ -208,13 +220,14 @@ def private_redis():
 
     state = {"proc": start()}
 
-    def restart():
+    def restart(noticed):
+        """Stop Redis, wait until noticed() (the workers saw it gone), start it again, empty."""
         try:
             redis.Redis(port=port).shutdown(nosave=True)
         except redis.ConnectionError:  # the shutdown closes the connection
             pass
         state["proc"].wait(timeout=20)
-        time.sleep(1)  # workers notice the broker is gone
+        noticed()
         state["proc"] = start()
 
     try:
@@ -229,16 +242,19 @@ def private_redis():
 def test_redis_restart_mid_job_loses_nothing(postgres_url, cluster_factory):
     """Redis keeps nothing: the queued messages and the running shard's unacked one are
     gone. The running shard still commits through the ledger, the workers reconnect, and
-    the reconciler re-enqueues the queued shards nobody has a message for."""
+    the reconciler re-enqueues the queued shards nobody has a message for. The worker holds
+    its running shards mid-generation (tests/hold.py) until Redis is back."""
     with private_redis() as (broker, restart_redis):
         c = cluster_factory(postgres_url, broker_url=broker)
-        rows = warm_then_long("r", 3, 9)
-        c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=2)  # takes 2 of the 4 shards: 2 stay queued in Redis
+        rows = quick_then_held(3, 9)
+        w = c.start_worker(held=True, PIPELINE_SHARDS_IN_FLIGHT=2)  # takes 2 of the 4 shards: 2 stay queued
         job_id = c.submit(rows, shard_size=3)
-        c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+        c.wait_held(w)
         assert redis.Redis.from_url(broker).llen(c.shard_queue) > 0  # messages that the restart will lose
-        restart_redis()
+        restart_redis(lambda: c.wait_for("the worker to see the broker gone",
+                                         lambda: "Connection to broker lost" in c.log(w)))
         assert redis.Redis.from_url(broker).llen(c.shard_queue) == 0
+        c.release()
         job = c.wait_until_ended(job_id)
         assert job.status == "completed" and job.completed_requests == 12
         c.assert_exactly_once(job_id, [r["id"] for r in rows])
@@ -251,27 +267,27 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
     """One shard in flight: shard 0 completes, shard 1 is cancelled mid-generation, shard 2
     never runs; `pipeline retry --wait` then runs every request without an answer once."""
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("c", 4, 8, 2000)  # long enough to still run when `pipeline cancel` lands:
-    # two sequences at a time make a shard of four take two rounds of 2,000 steps
-    w = c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=1,
-                       PIPELINE_WORKER_ENGINES=json.dumps([{**c.engine_options, "max_num_seqs": 2}]))
+    rows = quick_then_held(4, 8)
+    # Held with shard 1 four tokens in until the cancel reaches it: the job can end only if
+    # the shard saw the cancel at a step (its hold ends when its stream stops), however
+    # fast or slow the machine, and none of its requests can have finished.
+    w = c.start_worker(held=True, PIPELINE_SHARDS_IN_FLIGHT=1)
     job_id = c.submit(rows, shard_size=4)
-    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    c.wait_held(w)
+    assert [sh.status for sh in c.shards(job_id)] == ["completed", "running", "queued"]
     done = c.cli("cancel", job_id)
-    cancelled_at = time.monotonic()
     assert done.returncode == 0 and job_id in done.stdout, done.stderr
-    job = c.wait_until_ended(job_id, timeout=20)
-    assert time.monotonic() - cancelled_at < 10  # stopped at its next step, not at the shard's end
+    job = c.wait_until_ended(job_id)
     assert job.status == "cancelled"
     shards = c.shards(job_id)
     assert not [sh for sh in shards if sh.status in ("running", "queued")]
-    assert shards[victim.index].status == "cancelled"
+    assert shards[1].status == "cancelled"
     # the committed shards (and the cancelled one's partial rows) are a readable dataset
     table = pads.dataset(str(JobPaths(c.root, job_id).results_dir), format="parquet").to_table()
     counts = Counter(table["id"].to_pylist())
     assert set(counts.values()) == {1} and set(counts) <= {r["id"] for r in rows}
     reasons = Counter(table["finish_reason"].to_pylist())
-    assert reasons["cancelled"] >= 1 and job.completed_requests == reasons["stop"] + reasons["length"]
+    assert reasons["cancelled"] == 4 and job.completed_requests == reasons["stop"] + reasons["length"] == 4
     with c.Session() as s:
         assert job_counts(s, job_id)["completed_requests"] == job.completed_requests
     assert not list(JobPaths(c.root, job_id).tmp_dir.glob("*"))
@@ -279,8 +295,7 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
     never_run = {r["id"] for r in rows} - set(counts)
     assert never_run and shards[-1].status == "cancelled" and reasons["cancelled"] >= 1
 
-    # The retry needs no cramped worker: one batching all its long requests at once keeps it
-    # well inside WAIT_S on a loaded box (two at a time, one shard in flight, did not).
+    # a worker without the hold runs the retry
     w.send_signal(signal.SIGTERM)
     w.wait(timeout=60)
     c.start_worker(PIPELINE_SHARDS_IN_FLIGHT=4)
@@ -296,29 +311,30 @@ def test_cancel_mid_job_stops_the_worker_promptly_then_retry_runs_the_rest(sqlit
 
 # --- `pipeline run` stopped by a signal or killed, then retried or resumed ---------------------
 
-def start_run(c: Cluster, rows: list[dict]) -> tuple[subprocess.Popen, str]:
+def start_held_run(c: Cluster, rows: list[dict]) -> tuple[subprocess.Popen, str]:
     """A `pipeline run` subprocess of rows in shards of 4, one shard in flight (so that the
-    shards after the running one are still queued), and its job id once it is in the ledger."""
+    shards after the running one are still queued), under tests/hold.py's hold; its job id,
+    once the run holds its first "held-" request mid-generation."""
     src = write_jsonl(c.tmp_path / "run.jsonl", rows)
     proc = c.start_cli("run", str(src), "--model", str(c.model_dir), "--kv-cache-gib", "0.05", "--shard-size", "4",
-                       PIPELINE_SHARDS_IN_FLIGHT=1)
-
-    def job_id():
-        with c.Session() as s:
-            return next((job.id for job in list_jobs(s)), None)
-
-    return proc, c.wait_for("the run's job in the ledger", job_id)
+                       held=True, PIPELINE_SHARDS_IN_FLIGHT=1)
+    c.wait_held(proc)
+    with c.Session() as s:
+        return proc, list_jobs(s)[0].id
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_pipeline_run_stopped_by_a_signal_keeps_what_finished_then_retry_runs_the_rest(sig, code, sqlite_url,
                                                                                       cluster_factory):
+    """The run is held with shard 0 committed and shard 1 four tokens in (on an AMX Xeon
+    the 16 requests of 2,000 tokens it raced before had all finished when the signal came);
+    the signal's cancel is what ends the hold: its shard stops at its next step."""
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("s", 4, 12, 2000)
-    run, job_id = start_run(c, rows)
-    victim = c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    rows = quick_then_held(4, 12)
+    run, job_id = start_held_run(c, rows)
+    assert [sh.status for sh in c.shards(job_id)] == ["completed", "running", "queued", "queued"]
     run.send_signal(sig)
-    assert run.wait(timeout=60) == code, c.log(run)
+    assert run.wait(timeout=WAIT_S) == code, c.log(run)
     log = c.log(run)
     assert f"job {job_id} cancelled with" in log and f"`pipeline retry {job_id} --local` runs the rest" in log
     assert "Traceback" not in log
@@ -326,7 +342,9 @@ def test_pipeline_run_stopped_by_a_signal_keeps_what_finished_then_retry_runs_th
     # what finished is kept: the warm shard, and the interrupted shard's rows (cancelled, not failed)
     assert [sh.status for sh in c.shards(job_id)] == ["completed", "cancelled", "cancelled", "cancelled"]
     table = read_results(JobPaths(c.root, job_id).results_dir)
-    assert sorted(set(table["shard"].to_pylist())) == [0, victim.index] == [0, 1] and table.num_rows == 8
+    assert sorted(set(table["shard"].to_pylist())) == [0, 1] and table.num_rows == 8
+    reasons = dict(zip(table["id"].to_pylist(), table["finish_reason"].to_pylist()))
+    assert {reasons[r["id"]] for r in rows[4:8]} == {"cancelled"}   # held four tokens in: none could finish
     done = c.cli("resume", job_id)  # a cancelled job is not resumed: retried
     assert done.returncode == 1 and f"pipeline retry {job_id} --local" in done.stderr, done.stderr
     done = c.cli("retry", job_id, "--local")
@@ -341,9 +359,8 @@ def test_pipeline_run_killed_is_resumed_in_place_leaving_a_live_workers_shard_to
     from jobs.ledger import Shard, claim_shard, utcnow
 
     c = cluster_factory(sqlite_url)
-    rows = warm_then_long("k", 4, 12, 2000)
-    run, job_id = start_run(c, rows)
-    c.wait_for("a shard generating", lambda: c.running_mid_generation(job_id))
+    rows = quick_then_held(4, 12)
+    run, job_id = start_held_run(c, rows)
     run.kill()  # SIGKILL: no handler runs, the job stays in_progress with shard 1 leased
     run.wait(timeout=30)
     assert c.job(job_id).status == "in_progress"
@@ -357,10 +374,10 @@ def test_pipeline_run_killed_is_resumed_in_place_leaving_a_live_workers_shard_to
     c.wait_for("shards 1 and 3 finished by resume",
                lambda: (resume.poll() is None or pytest.fail(f"resume ended early:\n{c.log(resume)}"))
                and [sh.status for sh in c.shards(job_id)] == ["completed", "completed", "running", "completed"])
-    time.sleep(2)  # two of resume's polls: it must keep leaving shard 2 alone
+    # resume's note, once only shard 2 is left: it saw the live lease and leaves the shard to it
+    c.wait_for("resume leaving shard 2 to its holder", lambda: "shard 2 is held by live-worker:1" in c.log(resume))
     held = c.shards(job_id)[2]
     assert (held.status, held.attempt, held.worker) == ("running", 1, "live-worker:1") and resume.poll() is None
-    assert "shard 2 is held by live-worker:1" in c.log(resume)
     with c.Session() as s:  # the live worker dies: pretend its lease ran out a minute ago
         s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == 2)
                   .values(lease_expires_at=utcnow() - timedelta(seconds=60)))
@@ -383,17 +400,21 @@ def test_shards_of_one_job_and_of_two_jobs_share_one_worker(sqlite_url, cluster_
     from jobs.ledger import request_cancel
 
     c = cluster_factory(sqlite_url)
-    c.start_worker()
-    # a's first shard is long enough to still run when its second starts: on an AMX Xeon the
-    # worker took the second 2.5 s after the first, which at 8 tokens a request had ended 8 ms
-    # before, at 200 tokens 0.26 s after.
-    a_rows = long_rows("a-short-", 4, 400) + long_rows("a-long-", 4, 2000)
+    c.start_worker(held=True)
+    # tests/hold.py keeps each of a's shards running until the test has what it waits for, so
+    # nothing races the worker's speed (on an AMX Xeon it took a's second shard 2.5 s after
+    # the first: a first shard of 8 tokens a request had ended 8 ms before): a0 is held four
+    # tokens in until a1 is taken, a1 parked (taken, none of its requests in the engine)
+    # until the cancel reaches it, so a0 ends while a1 runs whichever the worker took first.
+    a_rows = long_rows("held-a0-", 4, 16) + long_rows("parked-a1-", 4, 16)
     a = c.submit(a_rows, shard_size=4)
-    c.wait_for("a's short shard to complete", lambda: c.shards(a)[0].status == "completed")
-    b_rows = long_rows("b-", 4, 400)   # a fifth of a's long shard: caught running beside it
+    c.wait_for("a's second shard taken", lambda: c.shards(a)[1].started_at)   # (before or after the first)
+    c.release("held-a0")
+    c.wait_for("a's first shard to complete", lambda: c.shards(a)[0].status == "completed")
+    b_rows = long_rows("b-", 4, 16)
     b = c.submit(b_rows, shard_size=4)
-    c.wait_for("b's shard running beside a's long one",
-               lambda: c.shards(b)[0].status == "running" and c.shards(a)[1].status == "running", poll_s=0.05)
+    c.wait_for("b's shard started beside a's parked one", lambda: c.shards(b)[0].started_at)
+    assert c.shards(a)[1].status == "running"
     with c.Session() as s:
         assert request_cancel(s, a)
     assert c.wait_until_ended(b).status == "completed"
@@ -409,7 +430,7 @@ def test_shards_of_one_job_and_of_two_jobs_share_one_worker(sqlite_url, cluster_
     table = read_results(JobPaths(c.root, a).results_dir)
     assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in a_rows)   # each id once
     reasons = Counter(table["finish_reason"].to_pylist())
-    assert reasons["cancelled"] >= 1 and job_a.completed_requests == reasons["stop"] + reasons["length"]
+    assert reasons["cancelled"] == 4 and job_a.completed_requests == reasons["stop"] + reasons["length"] == 4
 
 
 # --- SIGTERM mid-shard --------------------------------------------------------------------------
@@ -419,22 +440,25 @@ def test_sigterm_mid_shard_releases_it_and_another_worker_finishes(pool, sqlite_
     """threads: `pipeline worker`, two shards in flight in the process that gets SIGTERM,
     both released; prefork: one shard runs in a pool child, which the parent tells with SIGUSR2."""
     c = cluster_factory(sqlite_url)
-    # near the tiny model's context: a long shard must outlast the wait for two of them in
-    # flight plus the signal, on a fast CPU too (at 300 tokens one finished first once, releases 0)
-    rows = warm_then_long("t", 6, 12 if pool == "threads" else 6, max_tokens=TINY_CONTEXT - 80)
-    start = (lambda: c.start_worker()) if pool == "threads" else (lambda: c.start_worker("workers.app", "prefork"))
+    # Both workers hold their shards four tokens in (tests/hold.py): the victims' hold ends
+    # only when their streams stop, so the shards are released mid-generation on any machine
+    # (at 300 tokens one finished first once, releases 0, when nothing held them).
+    if pool == "threads":   # as many held shards as both workers' slots
+        rows, start, together, long_from = long_rows("held-", 12, 64), (lambda: c.start_worker(held=True)), 2, 0
+    else:   # a quick shard each first: the pool child that runs them is then known to be warm
+        rows, together, long_from = quick_then_held(6, 6), 1, 2
+        start = lambda: c.start_worker("workers.app", "prefork", held=True)  # noqa: E731
     a, b = start(), start()
     job_id = c.submit(rows, shard_size=3)
-    together = 2 if pool == "threads" else 1
     victims = c.wait_for(f"{together} shard(s) generating in one worker",
-                         lambda: c.running_mid_generation(job_id, together=together, long_from=2))
+                         lambda: c.running_mid_generation(job_id, together=together, long_from=long_from))
     victims = victims if together > 1 else [victims]
-    proc = c.wait_for("the victims' worker process", lambda: _owner(victims[0], [a, b]), timeout=5)
+    proc = c.wait_for("the victims' worker process", lambda: _owner(victims[0], [a, b]))
     proc.send_signal(signal.SIGTERM)
     start = time.monotonic()
-    proc.wait(timeout=60)
+    proc.wait(timeout=WAIT_S)
     took = time.monotonic() - start
-    assert took < 30  # a step, the release and Celery's own shutdown; not the rest of the shard
+    c.release()   # the other worker's hold: it finishes its shards and the released ones
     # released at the next step: its shard is queued again (or already taken by the other worker)
     for victim in victims:
         shard = c.shards(job_id)[victim.index]

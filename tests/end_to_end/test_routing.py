@@ -13,9 +13,9 @@ from cluster import FAST, Cluster, long_rows, write_jsonl
 FAST_ARGS = ["--kv-cache-gib", str(FAST["kv_cache_gib"]), "--device", FAST["device"]]
 
 
-def worker_for(c: Cluster, model_dir, **env):
+def worker_for(c: Cluster, model_dir, held: bool = False, **env):
     """A `pipeline worker --model DIR` of the cluster (its engine options on the command line)."""
-    return c.start_worker(args=["--model", str(model_dir), *FAST_ARGS], PIPELINE_WORKER_ENGINES="", **env)
+    return c.start_worker(args=["--model", str(model_dir), *FAST_ARGS], held=held, PIPELINE_WORKER_ENGINES="", **env)
 
 
 def submit(c: Cluster, tmp_path, rows, model_dir, *args):
@@ -83,13 +83,17 @@ def test_a_job_no_worker_serves_waits_with_a_warning_until_one_starts(
 def test_a_dead_workers_shard_goes_back_to_its_models_queue(
         sqlite_url, cluster_factory, tmp_path, tiny_model_dir, other_tiny_model_dir):
     """SIGKILL mid-shard: the reaper re-enqueues the shard to its model's queue, where the
-    other model's worker (idle all along) never takes it; a new worker of the model does."""
+    other model's worker (idle all along) never takes it; a new worker of the model does.
+    The victim holds the shard four tokens in (tests/hold.py) until the kill, one shard at a
+    time (the warm one committed first), so it cannot commit first on a fast machine."""
     c = cluster_factory(sqlite_url)
-    victim, bystander = worker_for(c, tiny_model_dir), worker_for(c, other_tiny_model_dir)
+    victim = worker_for(c, tiny_model_dir, held=True, PIPELINE_SHARDS_IN_FLIGHT=1)
+    bystander = worker_for(c, other_tiny_model_dir)
     wait_served(c, victim, tiny_model_dir)
-    rows = long_rows("warm-", 2, 4) + long_rows("long-", 2, 1600)
+    rows = long_rows("warm-", 2, 4) + long_rows("held-", 2, 64)
     job_id, _ = submit(c, tmp_path, rows, tiny_model_dir, "--shard-size", "2")
-    c.wait_for("the long shard generating", lambda: c.running_mid_generation(job_id))
+    c.wait_held(victim)
+    assert [sh.status for sh in c.shards(job_id)] == ["completed", "running"]
     victim.send_signal(signal.SIGKILL)
     victim.wait(30)
     c.wait_for("the reaper to re-enqueue the dead shard",
@@ -102,7 +106,7 @@ def test_a_dead_workers_shard_goes_back_to_its_models_queue(
     assert c.wait_until_ended(job_id).status == "completed"
     c.assert_exactly_once(job_id, [r["id"] for r in rows])
     assert c.shards(job_id)[1].worker.rsplit(":", 1)[1] == str(successor.pid)
-    assert loads(c, bystander) == 1 and "long-" not in c.log(bystander)
+    assert loads(c, bystander) == 1 and "held-" not in c.log(bystander)
 
 
 def test_one_worker_serves_two_models_one_at_a_time(sqlite_url, cluster_factory, tmp_path, tiny_model_dir,

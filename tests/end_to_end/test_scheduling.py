@@ -4,7 +4,6 @@ batch_expired rows, retry) and back-pressure (PIPELINE_MAX_QUEUED_REQUESTS)."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from datetime import timedelta
 
@@ -28,11 +27,12 @@ from workers.recovery import recover
 FAST_ARGS = ["--kv-cache-gib", str(FAST["kv_cache_gib"]), "--device", FAST["device"]]
 
 
-def small_batch_worker(c: Cluster, in_flight: int, max_num_seqs: int = 2):
+def small_batch_worker(c: Cluster, in_flight: int, max_num_seqs: int = 2, held: bool = False):
     """A worker whose engine batch holds 2 sequences (so about two 2-request shards run at
-    once) and that reserves `in_flight` shard messages: the rest wait at its gate."""
+    once) and that reserves `in_flight` shard messages: the rest wait at its gate. held:
+    with tests/hold.py's hold of "held-" requests."""
     engines = json.dumps([{**c.engine_options, "max_num_seqs": max_num_seqs}])   # not in the engine key
-    proc = c.start_worker(PIPELINE_WORKER_ENGINES=engines, PIPELINE_SHARDS_IN_FLIGHT=in_flight)
+    proc = c.start_worker(held=held, PIPELINE_WORKER_ENGINES=engines, PIPELINE_SHARDS_IN_FLIGHT=in_flight)
     c.wait_for("the worker's engine", lambda: " loaded in " in c.log(proc), timeout=120)
     return proc
 
@@ -85,33 +85,35 @@ def test_a_high_priority_job_goes_before_the_low_jobs_waiting_shards(sqlite_url,
 def test_a_job_past_its_window_expires_keeping_its_answers_and_retry_runs_the_rest(
         sqlite_url, cluster_factory, tmp_path):
     c = cluster_factory(sqlite_url)
-    # One sequence at a time, 16 shards of 2 x 300 decode steps. The deadline is moved to now
-    # once the first shard has committed (the clock jumping past the window, whatever the
-    # machine's speed: a real 20 s window was outrun by a fast CI machine), so the job has
-    # answers and 15 shards of work left when it expires.
-    small_batch_worker(c, in_flight=2, max_num_seqs=1)
-    rows = long_rows("w-", 32, 300)
+    # One shard at a time, 16 shards of 2 requests. The deadline is moved to now once the
+    # first shard has committed and the second is held four tokens in (tests/hold.py: the
+    # clock jumping past the window, whatever the machine's speed: a real 20 s window was
+    # outrun by a fast CI machine), so the job has answers and 15 shards of work left when it
+    # expires; the expiry is what ends the hold.
+    worker = small_batch_worker(c, in_flight=1, held=True)
+    rows = long_rows("w-", 2, 32) + long_rows("held-", 30, 32)
     ids = [r["id"] for r in rows]
     job_id = submit(c, tmp_path, rows, "--shard-size", "2", "--completion-window", "30m")
     assert c.job(job_id).expires_at is not None
-    c.wait_for("a shard to commit", lambda: any(sh.status == "completed" for sh in c.shards(job_id)))
+    c.wait_held(worker)
+    assert [sh.status for sh in c.shards(job_id)][:3] == ["completed", "running", "queued"]
     with c.Session() as s:
         s.execute(update(ledger.Job).where(ledger.Job.id == job_id).values(expires_at=ledger.utcnow()))
         s.commit()
-    job = c.wait_until_ended(job_id, timeout=90)
+    job = c.wait_until_ended(job_id)
     assert job.status == "expired"
     table = read_results(JobPaths(c.root, job_id).results_dir).to_pylist()
     assert Counter(r["id"] for r in table) == Counter(ids)   # each id exactly once
     answered = [r for r in table if r["finish_reason"] in ("stop", "length")]
     expired = [r for r in table if r["finish_reason"] == "error"]
-    assert answered and expired and len(answered) + len(expired) == len(ids)
+    assert sorted(r["id"] for r in answered) == ["w-000", "w-001"] and len(expired) == 30
     assert all(r["error"].startswith(f"{EXPIRED_CODE}:") for r in expired)
     line = output_line(expired[0], endpoint="/v1/completions", model="m", created=0)
     assert line["error"]["code"] == EXPIRED_CODE
     assert (job.completed_requests, job.failed_requests) == (len(answered), len(expired))
     assert sum(sh.failed_requests for sh in c.shards(job_id)) == len(expired)
-    # (A shard the expiry cut in the middle keeps the answers it had: the rows above are each
-    # id once whichever way the 20 s fell across shards; expired rows carry no partial text.)
+    # (A shard the expiry cut in the middle keeps the answers it had, here none: its two
+    # requests were held four tokens in; expired rows carry no partial text.)
     # here, in full batches (the job's own engine options), rather than one at a time on the worker
     retry = c.cli("retry", job_id, "--completion-window", "10m", "--local")
     assert retry.returncode == 0, retry.stderr
@@ -124,12 +126,14 @@ def test_recovery_expires_a_job_no_worker_holds(sqlite_url, tmp_path, data_root,
     Session = ledger.session_factory(ledger.make_engine(sqlite_url))
     src = write_jsonl(tmp_path / "in.jsonl", long_rows("r-", 5, 4))
     job_id, _ = create_job_from_file(Session, data_root, src, model="m", engine_options={}, shard_size=2,
-                                     completion_window="1s")
+                                     completion_window="30m")
     sent = []
     report = recover(Session, data_root, max_attempts=2, queued_grace_s=60,
                      enqueue=lambda route, shards: sent.append(shards), backlog=lambda route: 0)
     assert report["expired"] == [] and not sent   # not due yet
-    time.sleep(1.1)
+    with Session() as s:   # the clock past the window (a 1 s window was sometimes past at the first pass)
+        s.execute(update(ledger.Job).where(ledger.Job.id == job_id).values(expires_at=ledger.utcnow()))
+        s.commit()
     report = recover(Session, data_root, max_attempts=2, queued_grace_s=60,
                      enqueue=lambda route, shards: sent.append(shards), backlog=lambda route: 0)
     assert report["expired"] == [job_id] and job_id in report["finalized"] and not sent

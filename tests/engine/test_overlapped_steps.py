@@ -16,7 +16,8 @@ import pytest
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.engine.block_manager import block_hash
 from pipeline.engine.sequence import PENDING_TOKEN
-from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled, stop_after
+from engine_helpers import (BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled,
+                            step_past_a_timeout, stop_after)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
@@ -172,8 +173,9 @@ def test_choices_overlap_once_forked(tiny_model_dir):
 def test_a_timeout_drops_the_token_in_flight(tiny_model_dir):
     timed = Request("timed", prompt_token_ids=[5, 6, 7], params=greedy(400, ignore_eos=True), timeout_s=0.2)
     engine = engine_for(tiny_model_dir, True, **BIG_POOL)
-    out = run(engine, [timed])["timed"]
-    assert out.finish_reason == "timeout" and 1 <= out.output_tokens < 400
+    # three steps: two tokens read back and one in flight when the timeout retires it
+    out = step_past_a_timeout(engine, [timed], "timed", first_steps=3)["timed"]
+    assert out.finish_reason == "timeout" and out.output_tokens == 2
     assert PENDING_TOKEN not in out.token_ids and out.output_tokens == len(out.token_ids)
     assert out.text == engine.tokenizer.decode(out.token_ids)
     assert engine.num_overlapped_steps > 0 and all_blocks_free(engine)
