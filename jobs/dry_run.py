@@ -3,10 +3,11 @@
 One streaming pass over the file (bounded memory whatever its size): every line validated
 as a submit would, its prompt tokenized as the engine would (pipeline.prompts), its key
 looked up among the stored answers (in batches, as the shards would), and the figures
-summed. The estimate divides the tokens left to compute (prompts not reused, plus the
-output-token ceiling) by the median throughput of the last completed jobs of the same
-engine key in the ledger; with no such job it says there is no history. The ledger is only
-read, and only when it exists: a dry run creates no database, job, shard or message.
+summed. The ledger is only read, and only when it exists: a dry run creates no database,
+job, shard or message.
+
+The duration is estimated by jobs.duration_estimate: measured on the job's engine where it
+is built here (`pipeline run`), else from the throughput of the engine's recent jobs.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from jobs import ledger, spec
 from jobs.ledger.models import Job
 from jobs.paths import JobPaths
 from jobs.request_key import engine_fingerprint, request_key
+from jobs.duration_estimate import AnswerLengths, Work, measure_step_costs
 from jobs.states import JobStatus
+from jobs.submission import check_model_can_answer, with_vocabulary
 from pipeline.engine_key import engine_key
-from jobs.submission import check_model_can_answer
 from pipeline.models.model_dir import context_length, is_encoder
 
-HISTORY_JOBS = 5     # the recent jobs whose throughput makes the estimate
+HISTORY_JOBS = 5     # the recent jobs whose throughput (and answers' lengths) make the estimate
 _LOOKUP_BATCH = 1000
 
 
@@ -36,52 +38,60 @@ class DryRun:
     rows: int                      # result rows they would make (choices, embedding inputs)
     prompt_tokens: int             # in all (each request's prompt once; every embedding input)
     max_prompt_tokens: int
-    context_length: int
-    over_context: int              # requests with a prompt (or an input) too long for the model
+    context_length: int            # the model's context (max_model_len applied)
+    # What the KV cache of the engine these options build here holds (`pipeline run` on a
+    # CPU, or num_kv_blocks and block_size given); None where only the engine can tell: a
+    # worker's engine has its own options, a GPU's cache takes what the loaded model leaves.
+    kv_cache_tokens: int | None
+    max_model_len: int             # the engine's real limit: the least of the two known
+    over_context: int              # requests the engine refuses as too long (Scheduler.admission_error's rule)
     untokenizable: int             # requests whose prompt cannot be made (a chat template refuses it): they fail alone
     first_untokenizable: str | None   # "line N: why", for the first of them
     reused: int                    # requests an earlier job's stored answer would answer
     output_token_ceiling: int      # the sum of max_tokens over every choice (0 for embeddings)
+    expected_output_tokens: int    # of the answers to compute: the ceiling, less what history says ends early
     engine_key: str
     throughput_tok_s: float | None  # the median total tok/s of recent jobs of this engine; None: no history
     history_jobs: int
+    history_answers: int           # recent answers whose lengths stand for the expected ones
     estimated_s: float | None
+    estimate_basis: str | None     # "measured here" (the engine built and timed), "history", or None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = spec.Limits(),
-            database_url: str | None, root, reuse: bool = True) -> DryRun:
-    """The figures of a dry run of `path`; spec.InvalidInput (every bad line) as a submit would."""
+            database_url: str | None, root, reuse: bool = True, engine_here: bool = False) -> DryRun:
+    """The figures of a dry run of `path`; spec.InvalidInput (every bad line) as a submit would.
+    engine_here: the job's engine is built here from engine_options (`pipeline run`), so
+    its KV cache's size can be known before it exists."""
     from pipeline.models.loader import load_tokenizer, resolve_model_dir   # transformers: only here
 
     model_dir = resolve_model_dir(engine_options.get("model"))
     tokenizer = load_tokenizer(model_dir)
     context = context_length(model_dir, engine_options.get("max_model_len"))
-    # A decoder needs room for one output token after the prompt (an embedding's too: the engine's
-    # admission rule); an encoder takes inputs of the whole context.
     encoder = is_encoder(model_dir)
-    longest = context if encoder else context - 1
+    cache = kv_cache_tokens(engine_options, model_dir) if engine_here and not encoder else None
+    too_long = _too_long_rule(context, cache, encoder)
     key = engine_key(engine_options)
     fingerprint = engine_fingerprint(engine_options)
     Session = _existing_ledger(database_url)
     totals = dict(lines=0, rows=0, prompt_tokens=0, max_prompt_tokens=0, over_context=0, untokenizable=0,
                   first_untokenizable=None, reused=0, output_token_ceiling=0)
-    computed_tokens = 0
-    pending: list[tuple[str, int]] = []   # (key, tokens to compute) of requests awaiting their lookup
+    work = Work()   # what is left to compute, engine request by engine request
+    pending: list[tuple[str, list]] = []   # (key, its engine requests) of requests awaiting their lookup
 
     def look_up():
-        nonlocal computed_tokens
         found = _stored_keys(Session, root, [k for k, _ in pending]) if reuse and Session is not None else set()
-        for k, tokens in pending:
+        for k, parts in pending:
             if k in found:
                 totals["reused"] += 1
             else:
-                computed_tokens += tokens
+                work.add(parts)
         pending.clear()
 
-    scan = spec.Scan(path, limits, model=model_names)
+    scan = spec.Scan(path, with_vocabulary(limits, engine_options), model=model_names)
     for line in scan:
         request = spec.RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)
@@ -97,23 +107,91 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
         ceiling = 0 if request.is_embedding else request.max_tokens * request.num_rows
         totals["prompt_tokens"] += prompt
         totals["max_prompt_tokens"] = max(totals["max_prompt_tokens"], *lengths)
-        totals["over_context"] += max(lengths) > longest
+        totals["over_context"] += any(too_long(n, request) for n in lengths)
         totals["output_token_ceiling"] += ceiling
+        # (prompt tokens, answer's ceiling, answers) of each engine request that runs
+        parts = [(n, 0, 0) if request.is_embedding else (n, min(request.max_tokens, context - n), request.n)
+                 for n in lengths if not too_long(n, request)]
         line_key = request_key(line, fingerprint)
         if line_key is None:
-            computed_tokens += prompt + ceiling
+            work.add(parts)
         else:
-            pending.append((line_key, prompt + ceiling))
+            pending.append((line_key, parts))
             if len(pending) >= _LOOKUP_BATCH:
                 look_up()
     if not scan.validation.ok:
         raise spec.InvalidInput(scan.validation)
     check_model_can_answer(scan.validation, engine_options.get("model"))
     look_up()
-    rates = _recent_throughput(Session, key)
+    recent = _recent_jobs(Session, key)
+    rates = [job.total_tok_s for job in recent]
     rate = statistics.median(rates) if rates else None
-    return DryRun(**totals, context_length=context, engine_key=key, throughput_tok_s=rate, history_jobs=len(rates),
-                  estimated_s=computed_tokens / rate if rate else None)
+    answer_lengths = AnswerLengths.of(recent)
+    expected = work.expected_output_tokens(answer_lengths)
+    estimated, basis = None, None
+    costs = measure_step_costs(engine_options, work) if engine_here and not encoder and work.prompts else None
+    if costs is not None:
+        estimated, basis = work.seconds(costs, answer_lengths), "measured here"
+    elif rate:
+        estimated, basis = (work.prompt_tokens + expected) / rate, "history"
+    return DryRun(**totals, context_length=context, kv_cache_tokens=cache,
+                  max_model_len=context if cache is None else min(context, cache),
+                  expected_output_tokens=round(expected), engine_key=key, throughput_tok_s=rate,
+                  history_jobs=len(rates), history_answers=answer_lengths.count, estimated_s=estimated,
+                  estimate_basis=basis)
+
+
+def _too_long_rule(context: int, cache: int | None, encoder: bool):
+    """too_long(prompt_tokens, request): whether the engine refuses that prompt of the
+    request (pipeline.engine.scheduler.Scheduler.admission_error, and the encoder's limit)."""
+    if encoder:   # an encoder takes inputs of the whole context
+        return lambda n, request: n > context
+
+    def too_long(n: int, request) -> bool:
+        if n >= context:   # a decoder needs room for one output token after the prompt
+            return True
+        reach = n + 1 if request.is_embedding else min(n + request.max_tokens, context)
+        return cache is not None and reach > cache
+
+    return too_long
+
+
+def kv_cache_tokens(engine_options: dict, model_dir) -> int | None:
+    """The tokens the KV cache of an engine built here from engine_options holds, sized as
+    Engine.__init__ sizes it, without loading the model; None where only the engine can
+    tell: on CUDA its budget is what the loaded model leaves of the device, and its block
+    size the probed attention backend's (unless num_kv_blocks and block_size are given)."""
+    import torch
+
+    from pipeline.config import EngineConfig
+    from pipeline.device import resolve_device, resolve_dtype
+    from pipeline.engine import memory_budget
+    from pipeline.layers import attention
+    from pipeline.layers.kv_cache import KVCache
+    from pipeline.models.llama import LlamaArgs
+    from pipeline.models.loader import read_hf_config
+
+    config = EngineConfig(**engine_options)
+    if config.num_kv_blocks and config.block_size:
+        return config.num_kv_blocks * config.block_size
+    try:
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            return None
+        hf_config = read_hf_config(model_dir)
+        args = LlamaArgs.from_hf_config(hf_config)
+        dtype = resolve_dtype(config.dtype, device, hf_config)
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+        backend = attention.select(config.attention_backend, device, dtype, kv_dtype,
+                                   (args.num_heads, args.num_kv_heads, args.head_dim))
+        block_size = config.block_size or backend.default_block_size
+        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
+            memory_budget.kv_cache_bytes(config, device, args, dtype, memory_budget.max_num_seqs(config, device),
+                                         backend.copies_layer_kv),
+            args.num_layers, args.num_kv_heads, args.head_dim, block_size, kv_dtype)
+    except (RuntimeError, ValueError):   # an engine that would not start: it says why when it does not
+        return None
+    return num_blocks * block_size
 
 
 def _prompt_lengths(tokenizer, request) -> list[int]:
@@ -147,15 +225,15 @@ def _stored_keys(Session, root, keys: list[str]) -> set[str]:
             if any(JobPaths(root, job).result_shard(shard).exists() for job, shard, _ in places)}
 
 
-def _recent_throughput(Session, key: str) -> list[float]:
+def _recent_jobs(Session, key: str) -> list[Job]:
+    """The last completed jobs of the engine key that computed something (a throughput)."""
     if Session is None:
         return []
     try:
         with Session() as s:
-            rates = list(s.scalars(select(Job.total_tok_s)
-                                   .where(Job.engine_key == key, Job.status == JobStatus.COMPLETED,
-                                          Job.total_tok_s.is_not(None))
-                                   .order_by(Job.finished_at.desc()).limit(HISTORY_JOBS)))
+            return list(s.scalars(select(Job)
+                                  .where(Job.engine_key == key, Job.status == JobStatus.COMPLETED,
+                                         Job.total_tok_s.is_not(None))
+                                  .order_by(Job.finished_at.desc()).limit(HISTORY_JOBS)))
     except SQLAlchemyError:
         return []
-    return rates

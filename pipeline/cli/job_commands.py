@@ -101,7 +101,8 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
     """
     if dry_run:
         check_model(engine_options.get("model"))
-        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json)
+        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
+                              engine_here=False)
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
                       request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
@@ -134,7 +135,8 @@ def run_command(file, engine_options, shard_size, request_timeout, served_model_
     """
     if dry_run:
         check_model(engine_options.get("model"))
-        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json)
+        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
+                              engine_here=True)
     serve_metrics(settings)
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,

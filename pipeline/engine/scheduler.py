@@ -53,20 +53,40 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_group = admission_group   # free slots that admit new work while others decode
-        # A sequence can never grow past what the whole cache holds.
-        self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.context_len = max_model_len   # the model's (or the configured) context length
+        # A sequence can never grow past what the whole cache holds; a request that could is
+        # refused (admission_error), so this cuts only at the context length in practice.
+        self.cache_tokens = block_manager.num_blocks * block_manager.block_size
+        self.max_model_len = min(max_model_len, self.cache_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def admission_error(self, seq: Sequence) -> str | None:
-        """Why `seq` can never run (its prompt cannot fit), or None."""
+        """Why `seq` can never run, or None: its prompt cannot fit the context, or the
+        tokens it may reach cannot fit the whole KV cache.
+
+        The tokens it may reach are its prompt plus max_tokens, up to the context length (an
+        embedding: its prompt and one more). Cut at the cache's size instead, an answer
+        would end `length` where the model and the request allow more: a wrong answer that
+        a larger cache would not give (the cache's size is in neither the engine key nor
+        the answer's key), stored and reused as if complete. Refused, it is a failed row
+        that `pipeline retry --only-failed` runs again on a larger cache. Choices of an
+        n > 1 request share the prompt's blocks but each may grow alone: the same bound.
+        """
         n = seq.num_prompt_tokens
         if n == 0:
             return "the prompt is empty after tokenisation"
-        if n >= self.max_model_len:
-            return (f"the prompt has {n} tokens but the maximum model length is {self.max_model_len} "
+        if n >= self.context_len:
+            return (f"the prompt has {n} tokens but the maximum model length is {self.context_len} "
                     f"tokens (prompt plus at least one output token)")
+        reach = n + 1 if seq.pooling is not None else min(n + seq.params.max_tokens, self.context_len)
+        if reach > self.cache_tokens:
+            wants = "its prompt and one more token" if seq.pooling is not None else \
+                f"{n} prompt tokens plus max_tokens {seq.params.max_tokens}" + (
+                    f", up to the maximum model length of {self.context_len}" if reach == self.context_len else "")
+            return (f"the request may need {reach} tokens of KV cache ({wants}) but the whole cache holds "
+                    f"{self.cache_tokens}; give the engine a larger KV cache (kv_cache_gib) or lower max_tokens")
         return None
 
     def add(self, seq: Sequence) -> None:

@@ -356,7 +356,7 @@ def test_prompts_that_cannot_fit_fail_alone(tiny_engine, small_pool_engine):
         Request("empty", prompt_token_ids=[], params=greedy(5)),
         Request("ok2", prompt_token_ids=random_prompt(rng, 20), params=greedy(5))])
     assert outs["cache"].finish_reason == "error"
-    assert "100 tokens" in outs["cache"].error and "maximum model length is 96" in outs["cache"].error
+    assert "100 prompt tokens" in outs["cache"].error and "the whole cache holds 96" in outs["cache"].error
     assert outs["empty"].finish_reason == "error" and "empty" in outs["empty"].error
     for rid in ("cache", "empty"):
         assert outs[rid].token_ids == [] and outs[rid].text == "" and outs[rid].ttft_s is None

@@ -227,11 +227,27 @@ def test_admission_error_for_prompts_that_can_never_fit():
     err = sched.admission_error(make_seq("long", 20))
     assert err is not None and "20 tokens" in err and "maximum model length" in err
     assert sched.admission_error(make_seq("ok", 19)) is None
-    # The whole cache (8 blocks of 4 = 32 tokens) caps the length too.
+    # The whole cache (8 blocks of 4 = 32 tokens) must hold the prompt plus max_tokens: a
+    # request the cache would cut before its max_tokens is refused, not cut with `length`.
     small = make_scheduler(num_blocks=8, block_size=4, max_model_len=1000)
     assert small.max_model_len == 32
-    assert small.admission_error(make_seq("big", 40)) is not None
-    assert small.admission_error(make_seq("fits", 31)) is None
+    err = small.admission_error(make_seq("big", 40))
+    assert "may need 44 tokens of KV cache" in err and "the whole cache holds 32" in err
+    err = small.admission_error(make_seq("grows past it", 29, max_tokens=4))
+    assert "29 prompt tokens plus max_tokens 4" in err and "kv_cache_gib" in err
+    assert small.admission_error(make_seq("fits", 28, max_tokens=4)) is None
+    # Past the context the model cuts it (`length`): only what it may reach counts.
+    cramped = make_scheduler(num_blocks=8, block_size=4, max_model_len=30)
+    assert cramped.admission_error(make_seq("cut by the context", 10, max_tokens=100)) is None
+    err = make_scheduler(num_blocks=8, block_size=4, max_model_len=40).admission_error(
+        make_seq("over", 10, max_tokens=100))
+    assert "may need 40 tokens" in err and "up to the maximum model length of 40" in err
+    # Choices of an n > 1 request share the prompt's blocks but may each grow alone: the same bound.
+    forked = Sequence("n3", [100] * 20, SamplingParams(max_tokens=12, n=3),
+                      IncrementalDetokenizer(None, [100] * 20, []))
+    assert small.admission_error(forked) is None
+    forked.params = SamplingParams(max_tokens=13, n=3)
+    assert small.admission_error(forked) is not None
 
 
 def test_finish_and_abort_all_free_every_block():
