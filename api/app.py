@@ -17,7 +17,7 @@ from api import batches, errors, files, models
 from api.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_h11
 from api.limits import RequestLimits
 from jobs.settings import Settings
-from jobs.spec import Limits
+from jobs.input.line_checks import Limits
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ServerConfig:
 
     @property
     def model_names(self) -> str | tuple[str, ...]:
-        """What a line's body.model is checked against (jobs.spec): the served names, else the model."""
+        """What a line's body.model is checked against (jobs.input.line_checks): the served names, else the model."""
         return self.served_names or self.model
 
     @property

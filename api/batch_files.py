@@ -1,6 +1,6 @@
 """A batch's output and error files, written once the batch has ended.
 
-They are the export of `pipeline results --format openai` (jobs.openai_format), written the
+They are the export of `pipeline results --format openai` (jobs.results.openai_output), written the
 first time anyone looks at the ended batch, under the data root like an upload, and
 recorded as the job's files (purpose "batch_output", owned by the job's key). Their ids are
 derived from the job id, so two requests that both write them end with the same two rows.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 
 from jobs import ledger
-from jobs.openai_format import PIPELINE_ENDPOINT, write_openai_files
+from jobs.results.openai_output import PIPELINE_ENDPOINT, write_openai_files
 from jobs.paths import JobPaths, file_path
-from jobs.results import iter_job_rows
+from jobs.results.parquet_files import iter_job_rows
 
 KINDS = ("output", "error")
 

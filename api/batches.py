@@ -13,11 +13,12 @@ from api.auth import caller
 from api.batch_files import output_file_ids
 from api.errors import ApiError, not_found
 from api.files import invalid_input, owned_file, page
-from jobs import ledger, spec
+from jobs import ledger
+from jobs.input.validation import InvalidInput
 from jobs.ledger import JobStatus
-from jobs.openai_format import batch_object
+from jobs.results.openai_output import batch_object
 from jobs.paths import check_job_id, file_path
-from jobs.request_fields import ENDPOINTS, Bad, storable
+from jobs.input.field_checks import ENDPOINTS, Bad, storable
 from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
 from jobs.submission import EndpointMismatch, OverCapacity, create_job_from_file
 from workers.broker import BrokerUnavailable
@@ -36,7 +37,7 @@ class BatchRequest(BaseModel):
 
 
 def _check_storable(body: BatchRequest) -> None:
-    """400 for text the ledger cannot store (a NUL, a lone surrogate: jobs.request_fields.storable)
+    """400 for text the ledger cannot store (a NUL, a lone surrogate: jobs.input.field_checks.storable)
     in what is looked up or stored, before anything is: the input file's id and the metadata."""
     try:
         storable("input_file_id", body.input_file_id)
@@ -104,7 +105,7 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         endpoint=body.endpoint, served_names=config.served_names)
     try:
         job = submit(config.settings, config.Session, create)
-    except spec.InvalidInput as e:   # it was valid when uploaded: only a new --model can make it invalid
+    except InvalidInput as e:   # it was valid when uploaded: only a new --model can make it invalid
         raise invalid_input(upload.filename, e.validation, "no batch was created") from None
     except FileNotFoundError:   # deleted since it was looked up
         raise not_found("File", upload.id, param="input_file_id") from None

@@ -14,9 +14,11 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import caller
 from api.errors import ApiError, not_found
 from api.uploads import receive_upload
-from jobs import file_scan, ledger, spec
+from jobs import ledger
+from jobs.input import file_scan
+from jobs.input.validation import Validation
 from jobs.paths import check_file_id, file_path, files_dir, new_file_id
-from jobs.request_fields import Bad, storable
+from jobs.input.field_checks import Bad, storable
 
 router = APIRouter()
 _CHUNK = 1 << 16
@@ -42,7 +44,7 @@ def owned_file(request: Request, key: ledger.ApiKey, file_id: str) -> ledger.Fil
     return row
 
 
-def invalid_input(name: str, validation: spec.Validation, what: str) -> ApiError:
+def invalid_input(name: str, validation: Validation, what: str) -> ApiError:
     """The line-numbered errors of a file, as `pipeline submit` prints them, in one error object."""
     first = validation.errors[0] if validation.errors else None
     return ApiError(400, validation.describe(name, what), code="invalid_file", param=f"line {first.line}" if first and first.line
@@ -95,7 +97,7 @@ LEFTOVER_GRACE_S = 3600.0
 
 def sweep_leftovers(Session, root, grace_s: float = LEFTOVER_GRACE_S) -> int:
     """Remove what a server killed mid-request left under <root>/files, older than grace_s:
-    hidden temporary uploads (jobs.atomic's `.<name>.<hex>.tmp`) and published files that
+    hidden temporary uploads (jobs.atomic_files's `.<name>.<hex>.tmp`) and published files that
     no ledger row names (killed between writing and registering). Returns the number removed."""
     directory = files_dir(root)
     if not directory.is_dir():

@@ -1,7 +1,7 @@
 """A multipart upload streamed straight to its place under the data root, at most N bytes.
 
 Starlette's own form parser spools files into the system's temporary directory; this one
-writes the file part through jobs.atomic.atomic_write to its final path (a hidden temporary
+writes the file part through jobs.atomic_files.atomic_write to its final path (a hidden temporary
 name beside it until the upload is complete), so nothing is ever written outside the data
 root, and stops as soon as the file part passes the limit (the partial file is removed). A
 request whose Content-Length already says it is too big is refused before a byte is read.
@@ -22,8 +22,8 @@ from fastapi import Request
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from api.errors import ApiError
-from jobs.atomic import atomic_write
-from jobs.request_fields import Bad, storable
+from jobs.atomic_files import atomic_write
+from jobs.input.field_checks import Bad, storable
 
 _MAX_FIELD_BYTES = 64 * 1024   # the form's other fields (purpose) are short words: all of them together
 _MAX_PARTS = 16

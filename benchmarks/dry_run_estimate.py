@@ -77,7 +77,7 @@ def main() -> None:
     def run(shape: str, seed: int, dry: bool):
         src = root / f"{shape}-{seed}.jsonl"
         src.write_text("".join(json.dumps(line) + "\n" for line in lines_of(shape, seed)))
-        cmd = [sys.executable, "-m", "pipeline.cli", "run", str(src), *model, "--no-reuse"]
+        cmd = [sys.executable, "-m", "cli", "run", str(src), *model, "--no-reuse"]
         start = time.perf_counter()
         done = subprocess.run(cmd + (["--dry-run", "--json"] if dry else []), env=env, capture_output=True,
                               text=True)

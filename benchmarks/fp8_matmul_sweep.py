@@ -47,7 +47,7 @@ import gpu_models  # noqa: E402
 import gpu_speed  # noqa: E402
 from gpu_quant import graphed_us, layer_shapes  # noqa: E402
 from pipeline.kernels import fp8_matmul_triton as fp8mm  # noqa: E402
-from pipeline.layers import weight_quant as wq  # noqa: E402
+from pipeline.layers.quantization import weight_only as wq  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 ROWS = (1, 16, 64, 128, 256) if CUDA else (1, 16)

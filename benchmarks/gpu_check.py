@@ -35,7 +35,7 @@ tokenizer's files: no model wheel, nothing downloaded. Checks, each in its own t
   engine's groups, A B A B: output tok/s and steps replayed from graphs (measured, no target);
   then overlapped steps off and on, A B A B on 256 x 128 x 128: the same greedy tokens (the
   check), and output tok/s each way.
-- fp8, w8a16, w4a16 (PyTorch's own ops, pipeline/layers/weight_quant.py; fp8 skipped below
+- fp8, w8a16, w4a16 (PyTorch's own ops, pipeline/layers/quantization/weight_only.py; fp8 skipped below
   compute capability 8.9): each mode's layer on the device against its reference() (the
   CUDA formula in plain PyTorch, on the CPU, from the same quantized tensors), numerics_<mode>
   like numerics_bf16 (bf16 activations, the quantized engine against CPU float32), the
@@ -68,8 +68,9 @@ import gpu_models  # noqa: E402
 import gpu_quant  # noqa: E402
 import gpu_speed  # noqa: E402
 from gpu_report import REPORTED, BudgetExceeded, report  # noqa: E402
-from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels  # noqa: E402
-from pipeline.layers import weight_quant as wq  # noqa: E402
+from pipeline import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
+from pipeline.kernels import cuda_kernels  # noqa: E402
+from pipeline.layers.quantization import weight_only as wq  # noqa: E402
 
 MARGIN = 0.05   # nats: the least top-1/top-2 gap a chosen prompt's greedy steps may have
 # bf16 logits against float32: mean |error| over the logits' standard deviation, and the
@@ -180,7 +181,7 @@ def check_environment(run: Run) -> None:
                          (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]))
         fields.update(attention_auto_bf16=type(backend).__name__, cuda_graphs=backend.supports_cuda_graphs,
                       triton_paged_decode=getattr(backend, "decode_kernel", None) is not None,
-                      fused_pointwise_bf16=kernels.triton_pointwise(torch.zeros(1, device="cuda",
+                      fused_pointwise_bf16=cuda_kernels.triton_pointwise(torch.zeros(1, device="cuda",
                                                                                 dtype=torch.bfloat16)) is not None)
     report("environment", "info", **fields, attention_log=list(run.log_lines))
 

@@ -1,5 +1,5 @@
 """gpu_check.py's lines for PyTorch's own quantization modes (fp8, w8a16, w4a16;
-pipeline/layers/weight_quant.py): the matrix-product kernels one decoder layer of the
+pipeline/layers/quantization/weight_only.py): the matrix-product kernels one decoder layer of the
 Llama-3.2-1B shape runs, timed against bf16 at 1, 16 and 256 rows, and the engine's
 throughput with each mode on the workload of `throughput_pipeline` (256 sequences on
 CUDA), against that line's bf16 number.
@@ -25,8 +25,8 @@ from torch import nn
 import gpu_models
 import gpu_speed
 from gpu_report import BudgetExceeded, report
-from pipeline import kernels
-from pipeline.layers import weight_quant as wq
+from pipeline.kernels import cuda_kernels
+from pipeline.layers.quantization import weight_only as wq
 
 QUANT_MODES = ("fp8", "w8a16", "w4a16")
 FP8_THROUGHPUT_TARGET = 1.0   # fp8 at least as fast as bf16 on the same workload
@@ -311,9 +311,9 @@ def check_throughput(run) -> None:
             report(name, "skipped", reason=f"wall-clock budget: {left:.0f} s left")
             continue
         deadline = time.monotonic() + min(per_mode_s, left - 10)
-        fused, product = kernels.triton_fp8_rows, wq.Fp8Linear.triton_product
+        fused, product = cuda_kernels.triton_fp8_rows, wq.Fp8Linear.triton_product
         if name.endswith("pytorch_activation_quant"):
-            kernels.triton_fp8_rows = lambda x: None   # what weight_quant.Fp8Linear asks
+            cuda_kernels.triton_fp8_rows = lambda x: None   # what weight_quant.Fp8Linear asks
         if name == flipped:
             wq.Fp8Linear.triton_product = not product
         try:
@@ -326,7 +326,7 @@ def check_throughput(run) -> None:
             gpu_speed.free_memory()
             continue
         finally:
-            kernels.triton_fp8_rows, wq.Fp8Linear.triton_product = fused, product
+            cuda_kernels.triton_fp8_rows, wq.Fp8Linear.triton_product = fused, product
         ratio = ours["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else float("nan")
         gpu = run.device == "cuda"
         comparable = not ours["truncated_by_budget"] and not base.get("truncated_by_budget")

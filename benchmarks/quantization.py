@@ -28,10 +28,10 @@ import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.layers.attention.cpu_paged import AttentionMetadata, PrefillChunk, cache_rows
-from pipeline.cli.bench import read_workload
-from pipeline.layers.int8_linear import Int8Linear
+from cli.bench import read_workload
+from pipeline.layers.quantization.int8_linear import Int8Linear
 from pipeline.layers.packed_linear import PackedLinear
-from pipeline.layers.weight_quant import quantize_int8_rows
+from pipeline.layers.quantization.weight_only import quantize_int8_rows
 
 TEXT = ("The history of the city begins in the first century, when a small settlement grew up on the "
         "banks of the river. Over the following centuries it became an important market town, and its "

@@ -46,7 +46,7 @@ def main() -> None:
     model = ["--model", args.model] if args.model else []
     worker = None
     if args.via == "submit":
-        worker = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", *model], env=env,
+        worker = subprocess.Popen([sys.executable, "-m", "cli", "worker", *model], env=env,
                                   stdout=subprocess.DEVNULL, stderr=open(root / "worker.log", "w"))
     Session = None
     results = []
@@ -58,7 +58,7 @@ def main() -> None:
                                    for i, p in enumerate(prompts)))
             verb = ["run", str(src)] if args.via == "run" else ["submit", str(src), "--wait"]
             start = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "pipeline.cli", *verb, *model], env=env,
+            done = subprocess.run([sys.executable, "-m", "cli", *verb, *model], env=env,
                                   capture_output=True, text=True, check=True)
             command_s = time.perf_counter() - start
             job_id = re.search(r"(job_[0-9a-f]{16})", done.stdout)[1]

@@ -33,7 +33,7 @@ WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.
 
 
 def cli(*args, env, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], env=env, text=True,
                           capture_output=True, check=True, **kw)
 
 
@@ -150,7 +150,7 @@ def main() -> None:
     worker = None
     if args.mode == "worker":
         log = open(tmp / "worker.log", "wb")
-        worker = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "warning"],
+        worker = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--loglevel", "warning"],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
         warm = tmp / "warm.jsonl"
         warm.write_text("".join(json.dumps({"id": f"warm{i}", "prompt": "Hello", "max_tokens": 4}) + "\n"

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
-    from pipeline.cli.bench import read_workload
+    from cli.bench import read_workload
     from pipeline.config import EngineConfig
     from pipeline.engine.engine import Engine
     from pipeline.request import Request

@@ -18,12 +18,15 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobs import ledger, spec
+from jobs import ledger
+from jobs.input.line_checks import Scan
+from jobs.input.request_spec import RequestSpec
+from jobs.input.validation import InvalidInput, Limits
 from jobs.ledger.models import Job
 from jobs.paths import JobPaths
-from jobs.request_key import engine_fingerprint, request_key
+from jobs.reuse.answer_key import engine_fingerprint, request_key
 from jobs.duration_estimate import AnswerLengths, Work, measure_step_costs
-from jobs.states import JobStatus
+from jobs.ledger.statuses import JobStatus
 from jobs.submission import check_model_can_answer, with_vocabulary
 from pipeline.engine_key import engine_key
 from pipeline.models.model_dir import context_length, is_encoder
@@ -61,9 +64,9 @@ class DryRun:
         return asdict(self)
 
 
-def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = spec.Limits(),
+def dry_run(path, *, engine_options: dict, model_names, limits: Limits = Limits(),
             database_url: str | None, root, reuse: bool = True, engine_here: bool = False) -> DryRun:
-    """The figures of a dry run of `path`; spec.InvalidInput (every bad line) as a submit would.
+    """The figures of a dry run of `path`; InvalidInput (every bad line) as a submit would.
     engine_here: the job's engine is built here from engine_options (`pipeline run`), so
     its KV cache's size can be known before it exists."""
     from pipeline.models.loader import load_tokenizer, resolve_model_dir   # transformers: only here
@@ -91,9 +94,9 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
                 work.add(parts)
         pending.clear()
 
-    scan = spec.Scan(path, with_vocabulary(limits, engine_options), model=model_names)
+    scan = Scan(path, with_vocabulary(limits, engine_options), model=model_names)
     for line in scan:
-        request = spec.RequestSpec.from_dict(line)
+        request = RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)
         totals["lines"] += 1
         totals["rows"] += request.num_rows
@@ -120,7 +123,7 @@ def dry_run(path, *, engine_options: dict, model_names, limits: spec.Limits = sp
             if len(pending) >= _LOOKUP_BATCH:
                 look_up()
     if not scan.validation.ok:
-        raise spec.InvalidInput(scan.validation)
+        raise InvalidInput(scan.validation)
     check_model_can_answer(scan.validation, engine_options.get("model"))
     look_up()
     recent = _recent_jobs(Session, key)

@@ -47,7 +47,7 @@ class AnswerLengths:
     def of(cls, jobs: list[Job]) -> "AnswerLengths":
         import pyarrow.compute as pc   # pyarrow: only with history
 
-        from jobs.results import read_results
+        from jobs.results.parquet_files import read_results
 
         ended, capped = [], 0
         for job in jobs:

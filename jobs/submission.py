@@ -1,6 +1,6 @@
 """Turning an input file into a queued job: validate, write the input shards, record the job.
 
-All or nothing: an invalid file raises jobs.spec.InvalidInput before anything exists, and
+All or nothing: an invalid file raises jobs.input.line_checks.InvalidInput before anything exists, and
 any later failure removes the job's directory again, so no half-created job is left.
 Standard input (`create_job_from_stream`) is read once, into the job's own copy.
 `create_retry_job` makes a new job of the unanswered requests of an ended one.
@@ -15,15 +15,16 @@ from typing import BinaryIO
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import ledger, spec
-from jobs.atomic import atomic_write
+from jobs import ledger
+from jobs.input.validation import InvalidInput, LineError, Limits, Validation
+from jobs.atomic_files import atomic_write
 from jobs.paths import JobPaths, check_job_id, new_job_id
-from jobs.request_fields import EMBEDDINGS_ENDPOINT
-from jobs.file_scan import write_input_shards
-from jobs.request_key import engine_fingerprint
+from jobs.input.field_checks import EMBEDDINGS_ENDPOINT
+from jobs.input.file_scan import write_input_shards
+from jobs.reuse.answer_key import engine_fingerprint
 from jobs.scheduling import DEFAULT_PRIORITY
-from jobs.shards import check_shard_size, read_shard, write_retry_shards
-from jobs.states import JobStatus
+from jobs.input.shard_files import check_shard_size, read_shard, write_retry_shards
+from jobs.ledger.statuses import JobStatus
 from pipeline.engine_key import engine_key
 from pipeline.models.model_dir import is_encoder, vocabulary_size
 from pipeline.request import FinishReason
@@ -31,7 +32,7 @@ from pipeline.request import FinishReason
 
 def create_job_from_file(
     Session: sessionmaker[Session], root, path, *, model: str, engine_options: dict,
-    shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
+    shard_size: int, limits: Limits = Limits(), metadata: dict | None = None,
     completion_window: str | None = None, api_key_id: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
     """Validate `path`, shard it under the data root and insert a queued job (owned by
@@ -40,7 +41,7 @@ def create_job_from_file(
     url every OpenAI line must have, else EndpointMismatch) and served_names (the names a
     line's body.model may use instead of the model's own: --served-model-name).
 
-    Returns (job_id, requests per shard). Raises spec.InvalidInput (with every bad line,
+    Returns (job_id, requests per shard). Raises InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
     regular file) when the file has errors, creating nothing.
     """
@@ -51,7 +52,7 @@ def create_job_from_file(
 
 def create_job_from_stream(
     Session: sessionmaker[Session], root, stream: BinaryIO, *, model: str, engine_options: dict,
-    shard_size: int, limits: spec.Limits = spec.Limits(), metadata: dict | None = None,
+    shard_size: int, limits: Limits = Limits(), metadata: dict | None = None,
     completion_window: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
     """create_job_from_file for a stream (standard input), which can be read only once:
@@ -64,8 +65,8 @@ def create_job_from_stream(
         with atomic_write(copy, "wb") as f:
             size = _copy_at_most(stream, f, limits.max_file_bytes + 1)
         if size > limits.max_file_bytes:
-            error = spec.LineError(None, f"standard input has more than {limits.max_file_bytes} bytes, the limit")
-            raise spec.InvalidInput(spec.Validation(0, [error], 1, "pipeline", None))
+            error = LineError(None, f"standard input has more than {limits.max_file_bytes} bytes, the limit")
+            raise InvalidInput(Validation(0, [error], 1, "pipeline", None))
         return _create_job(Session, root, job_id, copy, model=model, engine_options=engine_options,
                            shard_size=shard_size, limits=limits, metadata=metadata,
                            completion_window=completion_window, **scheduling)
@@ -83,7 +84,7 @@ def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20
 
 
 def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
-                limits: spec.Limits, metadata: dict | None, completion_window: str | None = None,
+                limits: Limits, metadata: dict | None, completion_window: str | None = None,
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
                 queue: str | None = None, endpoint: str | None = None,
@@ -91,8 +92,8 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
     check_shard_size(shard_size)
     job_paths = JobPaths(root, job_id)
     try:
-        # The engine's fingerprint, on which a shard makes its requests' keys (jobs.request_key:
-        # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse).
+        # The engine's fingerprint, on which a shard makes its requests' keys (jobs.reuse.answer_key:
+        # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse.stored_answers).
         engine = engine_fingerprint(engine_options)
         limits = with_vocabulary(limits, engine_options)
         # One pass validates the file and writes its shards; a bad file leaves none.
@@ -121,7 +122,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
     return job_id, shard_sizes
 
 
-def with_vocabulary(limits: spec.Limits, engine_options: dict) -> spec.Limits:
+def with_vocabulary(limits: Limits, engine_options: dict) -> Limits:
     """limits with the model's vocabulary, where its config is readable here: token ids are
     then checked at submit, each bad one its line's error (none can reach an engine step)."""
     if limits.vocab_size is not None:
@@ -129,13 +130,13 @@ def with_vocabulary(limits: spec.Limits, engine_options: dict) -> spec.Limits:
     return dataclasses.replace(limits, vocab_size=vocabulary_size(engine_options.get("model")))
 
 
-def check_model_can_answer(validation: spec.Validation, model: str | None) -> None:
+def check_model_can_answer(validation: Validation, model: str | None) -> None:
     """An encoder only embeds: a generation file for one is refused whole (InvalidInput), not
     failed line by line on a worker."""
     if validation.endpoint != EMBEDDINGS_ENDPOINT and model and is_encoder(Path(model)):
-        problem = spec.LineError(None, f"the model {Path(model).name} is an encoder: it embeds and cannot generate; "
+        problem = LineError(None, f"the model {Path(model).name} is an encoder: it embeds and cannot generate; "
                                        "give embedding lines (input) or a generative model")
-        raise spec.InvalidInput(spec.Validation(validation.num_requests, [problem], 1, validation.input_format,
+        raise InvalidInput(Validation(validation.num_requests, [problem], 1, validation.input_format,
                                                 validation.endpoint))
 
 
@@ -198,7 +199,7 @@ def create_retry_job(
     job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
     to retry. All or nothing, like create_job_from_file.
     """
-    from jobs.results import iter_result_rows
+    from jobs.results.parquet_files import iter_result_rows
 
     check_job_id(job_id)
     with Session() as s:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-# int8, nf4: bitsandbytes; w8a8: CPU int8; fp8, w8a16, w4a16: PyTorch ops for CUDA (layers/weight_quant.py)
+# int8, nf4: bitsandbytes; w8a8: CPU int8; fp8, w8a16, w4a16: PyTorch ops for CUDA (layers/quantization/weight_only.py)
 QUANTIZATIONS = ("none", "int8", "nf4", "w8a8", "fp8", "w8a16", "w4a16")
 # A mode's arithmetic, when it has changed since the mode was added: engine keys and request
 # keys (answers kept for reuse) name it, so answers of the older arithmetic are not served.
-QUANTIZATION_REVISIONS = {"w8a8": 2}   # 2: SmoothQuant before int8 (layers/smoothing.py)
+QUANTIZATION_REVISIONS = {"w8a8": 2}   # 2: SmoothQuant before int8 (layers/quantization/smoothing.py)
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("none", "ngram")
 ATTENTION_BACKENDS = ("auto", "cpu", "varlen", "reference")   # pipeline/layers/attention

@@ -18,7 +18,7 @@ import pytest
 
 from jobs.ledger import get_job, get_shards, make_engine, session_factory
 from jobs.paths import JobPaths
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.submission import create_job_from_file
 from pipeline.engine_key import engine_key
 from worker_process import BROKER_URL, drop_queue
@@ -80,7 +80,7 @@ class Cluster:
         tests/hold.py's hold (its "held-" requests wait mid-generation for the test)."""
         name = f"w{len(self.procs)}"
         if app is None:
-            cmd = ["pipeline.cli", "worker", "--loglevel", "info", *args]
+            cmd = ["cli", "worker", "--loglevel", "info", *args]
         else:
             cmd = ["celery", "-A", app, "worker", f"--pool={pool}", "--concurrency=1",
                    "--loglevel=info", "--without-gossip", "--without-mingle", "--without-heartbeat",
@@ -90,7 +90,7 @@ class Cluster:
     def start_cli(self, *args, held: bool = False, **env) -> subprocess.Popen:
         """A `pipeline` command (`run`, `resume`) as a subprocess, to be signalled; its log is
         kept. held: with tests/hold.py's hold."""
-        return self.start_process(f"{args[0]}{len(self.procs)}", _python_m(["pipeline.cli", *args], held), **env)
+        return self.start_process(f"{args[0]}{len(self.procs)}", _python_m(["cli", *args], held), **env)
 
     def start_process(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
         """A process of this cluster (its environment, its log), stopped with the workers."""
@@ -156,7 +156,7 @@ class Cluster:
         return job_id
 
     def cli(self, *args, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=self.env, cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "cli", *args], env=self.env, cwd=REPO,
                               capture_output=True, text=True, timeout=timeout)
 
     # the ledger

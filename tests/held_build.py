@@ -1,7 +1,7 @@
 """A process whose engine build is held inside torch ops until the test releases it: a worker
 stopped while its engine loads, on any machine, fast or slow.
 
-    python -m tests.held_build pipeline.cli worker ...
+    python -m tests.held_build cli worker ...
 
 The real CLI, worker and engine, except that pipeline.engine.factory.build_engine first runs
 torch matrix products (each one releases the GIL and takes it back, as the ops of a real

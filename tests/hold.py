@@ -21,7 +21,7 @@ is released (its shard is claimed, and the engine serves the others meanwhile). 
 here is in the product code: like tests/crashing_worker.py, it wraps the real classes from
 outside.
 
-    python -m tests.hold pipeline.cli run FILE ...     # any module run as `python -m`
+    python -m tests.hold cli run FILE ...     # any module run as `python -m`
     python -m tests.hold celery -A workers.app worker ...
     with installed(prefix="long"): ...                 # in-process (restored on exit)
 """

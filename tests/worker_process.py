@@ -17,7 +17,7 @@ def worker(env, log_path, *args):
     """A `pipeline worker ARGS` subprocess (e.g. --model DIR: the engine it serves), always
     stopped afterwards (warm, then forced)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--loglevel", "info", *map(str, args)],
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--loglevel", "info", *map(str, args)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield proc

@@ -30,10 +30,10 @@ def _worker_allocators(sender=None, **_):
     """A worker's process-wide memory settings, made as it starts, before its task modules
     import numpy and pyarrow (they start threads, and pyarrow picks its allocator when it is
     imported): one malloc arena, so the engine's thread keeps its memory (pipeline/host_memory.py),
-    and results written through the system's malloc (jobs/arrow_pool.py). `pipeline worker` has
-    made them already (pipeline.cli.main, before any import); this is for `celery -A
+    and results written through the system's malloc (jobs/results/arrow_allocator.py). `pipeline worker` has
+    made them already (cli.main, before any import); this is for `celery -A
     workers.app worker`. Nothing is set by importing this module (producers import it)."""
-    from jobs.arrow_pool import use_system_allocator
+    from jobs.results.arrow_allocator import use_system_allocator
     from pipeline.host_memory import use_one_malloc_arena
 
     use_one_malloc_arena()

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from jobs.request_key import engine_fingerprint
+from jobs.reuse.answer_key import engine_fingerprint
 from pipeline.config import EngineConfig
 from pipeline.engine_key import engine_key
 from workers import metrics
@@ -31,7 +31,7 @@ class UnservedEngine(RuntimeError):
 
 
 class EngineMismatch(RuntimeError):
-    """A job names model files (its engine fingerprint, jobs.request_key) that this process
+    """A job names model files (its engine fingerprint, jobs.reuse.answer_key) that this process
     cannot load: its model directory holds other bytes than the submitter fingerprinted."""
 
 
@@ -56,7 +56,7 @@ class EngineCache:
     shards that wait meanwhile see `building` and wait on the condition, not on a lock.
 
     The engine answers only for the weights it loaded: each build fingerprints the model's
-    files before and after loading them (jobs.request_key.engine_fingerprint: a file
+    files before and after loading them (jobs.reuse.answer_key.engine_fingerprint: a file
     replaced meanwhile means the build is done again), and a shard naming another
     fingerprint never runs on it. If the directory holds that shard's fingerprint now (the
     weights were replaced under a running worker, and the job was submitted after), the

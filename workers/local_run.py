@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger
-from jobs.finalize import abandon_job, finalize_job, refinalize_job
+from jobs.results.finalize import abandon_job, finalize_job, refinalize_job
 from jobs.ledger import JobStatus, ShardStatus
 from workers.admission import AdmissionGate
 from workers.engine_cache import EngineCache

@@ -30,7 +30,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 from prometheus_client import values as _values
 
-from jobs.result_row import SUMMED_COLUMNS, shard_totals
+from jobs.results.result_row import SUMMED_COLUMNS, shard_totals
 from pipeline.models.bundled import BUNDLED_NAME
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ CACHED_PROMPT_TOKENS = Counter("pipeline_cached_prompt_tokens",
 DRAFT_TOKENS = Counter("pipeline_draft_tokens", "Speculative tokens drafted for the requests committed.", LABELS)
 ACCEPTED_TOKENS = Counter("pipeline_accepted_tokens",
                           "Speculative tokens of the requests committed that verification accepted.", LABELS)
-# One counter per summed result column (jobs.result_row.SUMMED_COLUMNS), added to per commit.
+# One counter per summed result column (jobs.results.result_row.SUMMED_COLUMNS), added to per commit.
 TOKEN_COUNTERS = {"prompt_tokens": PROMPT_TOKENS, "output_tokens": GENERATED_TOKENS,
                   "cached_tokens": CACHED_PROMPT_TOKENS, "draft_tokens": DRAFT_TOKENS,
                   "accepted_tokens": ACCEPTED_TOKENS}

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger
-from jobs.finalize import finalize_job, refinalize_job
+from jobs.results.finalize import finalize_job, refinalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.scheduling import DEFAULT_PRIORITY

@@ -27,16 +27,17 @@ from enum import Enum
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import ledger, result_row
-from jobs.finalize import finalize_job
+from jobs import ledger
+from jobs.results import result_row
+from jobs.results.finalize import finalize_job
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
-from jobs.request_key import request_key
-from jobs.results import commit_rows
-from jobs.reuse import answers_of, stored_answers
+from jobs.reuse.answer_key import request_key
+from jobs.results.parquet_files import commit_rows
+from jobs.reuse.stored_answers import answers_of, stored_answers
 from jobs.scheduling import expired_error
-from jobs.shards import read_shard
-from jobs.spec import RequestSpec
+from jobs.input.shard_files import read_shard
+from jobs.input.line_checks import RequestSpec
 from pipeline.pooling_params import PoolingParams
 from pipeline.request import Request
 from pipeline.sampling_params import SamplingParams
@@ -111,7 +112,7 @@ def run_shard(
         specs = read_input(paths, index)
     except InputUnreadable as e:
         return _fail_unreadable(Session, root, job_id, index, attempt, e, last_attempt)
-    for spec in specs:   # every row carries its key (lineage); a first submit made none (jobs.reuse)
+    for spec in specs:   # every row carries its key (lineage); a first submit made none (jobs.reuse.stored_answers)
         spec.key = request_key(spec.to_dict(), job.engine_fingerprint, job.answer_scope)
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
@@ -239,7 +240,7 @@ def _note_error(Session, job_id: str, index: int, attempt: int, error: str) -> N
 
 
 def _reused_rows(Session, root, job, specs, index, attempt, on_result) -> dict[str, list[dict]]:
-    """The rows of the requests answered from stored answers (jobs.reuse), by id; none when
+    """The rows of the requests answered from stored answers (jobs.reuse.stored_answers), by id; none when
     the job was submitted with --no-reuse."""
     if not job.reuse:
         return {}

@@ -3,7 +3,7 @@
 submit(): the broker is checked before anything exists, the job is made (a
 jobs.submission function: one pass that validates and shards the file, the capacity
 check, the ledger row), the shards whose every request has a stored answer are committed
-from those (jobs.reuse.answer_at_submit), then the rest are sent on its queue; a job
+from those (jobs.reuse.stored_answers.answer_at_submit), then the rest are sent on its queue; a job
 whose shards cannot be sent is failed at once, since it could never run. The errors
 are typed, and each caller renders them its own way (an exit code, an HTTP status):
 before anything is created, spec.InvalidInput, submission.OverCapacity,
@@ -53,7 +53,7 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
         broker.enqueue_shards(settings, job.engine_key, ((job_id, index) for index in left), job.priority,
                               prefix=job.queue)
     except Exception as e:
-        from jobs.finalize import abandon_job   # results and Parquet: only on this path (pyarrow: 0.5 s, 40 MB)
+        from jobs.results.finalize import abandon_job   # results and Parquet: only on this path (pyarrow: 0.5 s, 40 MB)
         abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
         raise EnqueueFailed(job_id, e) from None
     if len(left) < len(sizes):   # answered (in part) at submit: read back what that changed
@@ -65,7 +65,7 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
 def _answer_from_earlier_jobs(Session, settings: Settings, job: ledger.Job, num_shards: int) -> list[int]:
     """The shards left to send once those answered whole from stored answers are committed;
     every shard if that lookup fails (a worker then reuses what it can: nothing is lost)."""
-    from jobs.reuse import answer_at_submit
+    from jobs.reuse.stored_answers import answer_at_submit
 
     try:
         return answer_at_submit(Session, settings.data_dir, job)
@@ -81,7 +81,7 @@ def cancel(Session: sessionmaker[Session], root, job: ledger.Job) -> ledger.Job:
     with Session() as s:
         if not ledger.request_cancel(s, job.id) and job.status not in (JobStatus.CANCELLING, JobStatus.CANCELLED):
             raise NotCancellable(job.id, job.status)
-    from jobs.finalize import finalize_job
+    from jobs.results.finalize import finalize_job
     finalize_job(Session, root, job.id)   # at once when no shard is running
     with Session() as s:
         return ledger.get_job(s, job.id)

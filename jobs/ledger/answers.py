@@ -1,4 +1,4 @@
-"""The index of stored answers (jobs.reuse): written with a shard's commit, looked up by a
+"""The index of stored answers (jobs.reuse.stored_answers): written with a shard's commit, looked up by a
 later job's shards, removed with a job's results (`pipeline gc`)."""
 from __future__ import annotations
 

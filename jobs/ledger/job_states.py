@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from jobs import paths
 from jobs.ledger.conditional import commit_if_won, execute
 from jobs.ledger.models import INPUT_FORMATS, STATS_COLUMNS, Job, JobStatus, Shard, ShardStatus, utcnow
-from jobs.result_row import SHARD_TOTALS
+from jobs.results.result_row import SHARD_TOTALS
 from jobs.scheduling import DEFAULT_PRIORITY, PRIORITIES, parse_window
 
 

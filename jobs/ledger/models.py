@@ -9,10 +9,10 @@ from sqlalchemy import (
 from sqlalchemy import true as sa_true
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from jobs.states import JobStatus, ShardStatus  # noqa: F401  (the states of these rows)
+from jobs.ledger.statuses import JobStatus, ShardStatus  # noqa: F401  (the states of these rows)
 
 INPUT_FORMATS = ("pipeline", "openai")
-# Ledger columns filled from jobs.stats.compute_stats by finish_job. total_requests is
+# Ledger columns filled from jobs.results.job_stats.compute_stats by finish_job. total_requests is
 # left out on purpose: it stays the number of input requests.
 STATS_COLUMNS = (
     "completed_requests", "failed_requests", "prompt_tokens", "output_tokens", "cached_tokens",
@@ -81,12 +81,12 @@ class Job(Base):
     # The timeout of a request line that gives no timeout_s of its own (None: no timeout).
     # Copied to retries; enforced by the engine per request (pipeline.request.Request.timeout_s).
     request_timeout_s: Mapped[float | None] = mapped_column(Float)
-    # Answer reuse (jobs.reuse): whether its requests may take stored answers (--no-reuse: not),
+    # Answer reuse (jobs.reuse.stored_answers): whether its requests may take stored answers (--no-reuse: not),
     # and the fingerprint of the engine that answers them (the model's files and the options
     # that change answers), in every request key and every result row.
     reuse: Mapped[bool] = mapped_column(Boolean, default=True, server_default=sa_true())
     engine_fingerprint: Mapped[str | None] = mapped_column(String)
-    # Whose answers it may reuse and shares its own with (jobs.request_key): null for a CLI
+    # Whose answers it may reuse and shares its own with (jobs.reuse.answer_key): null for a CLI
     # job (the local scope), else its API key's (ledger.api_keys.answer_scope).
     answer_scope: Mapped[str | None] = mapped_column(String)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
@@ -153,7 +153,7 @@ class Shard(Base):
 
 class Answer(Base):
     """A stored successful answer: the request `request_id` of `job_id` (in its result shard
-    `shard`), under the request's key (jobs.request_key). Written in the transaction that
+    `shard`), under the request's key (jobs.reuse.answer_key). Written in the transaction that
     commits the shard; removed with the job's results (`pipeline gc`). Several jobs may hold
     one key: a reuse takes the newest whose results still exist."""
     __tablename__ = "answers"

@@ -8,11 +8,11 @@ from pathlib import Path
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.atomic import replace_durably
+from jobs.atomic_files import replace_durably
 from jobs.ledger.answers import add_answers
 from jobs.ledger.conditional import commit_if_won, execute, held
 from jobs.ledger.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from jobs.result_row import SHARD_TOTALS
+from jobs.results.result_row import SHARD_TOTALS
 
 
 def claim_shard(s: Session, job_id: str, index: int, worker: str, lease_s: float, max_attempts: int) -> int | None:
@@ -71,7 +71,7 @@ def commit_shard(
     """Publish an attempt's results: fenced ledger update and file rename in one transaction.
 
     status is "completed", "cancelled" (a partial shard of a cancelled job) or "failed"
-    (error rows of an exhausted shard). totals (jobs.result_row.shard_totals: the
+    (error rows of an exhausted shard). totals (jobs.results.result_row.shard_totals: the
     SHARD_TOTALS of its rows) are set on the shard and added to the job; answers, (request key,
     request id) of its reusable successful requests, are indexed (ledger.answers) in the same
     transaction. A stale attempt never commits: it gets False and

@@ -4,7 +4,7 @@ Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-01
 
-A shard commit now adds every summed result column (jobs.result_row.SHARD_TOTALS) to its
+A shard commit now adds every summed result column (jobs.results.result_row.SHARD_TOTALS) to its
 shard and job; existing shards get 0 (their jobs' totals came from the stats).
 """
 from typing import Sequence, Union

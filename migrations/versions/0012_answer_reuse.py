@@ -4,7 +4,7 @@ Revision ID: 0012
 Revises: 0011
 Create Date: 2026-12-02
 
-`answers` maps a request key (jobs.request_key) to the job and shard whose results hold
+`answers` maps a request key (jobs.reuse.answer_key) to the job and shard whose results hold
 its answer. Existing jobs keep reuse on but have no fingerprint and no index entries: their
 answers are never reused (their rows have no key).
 """

@@ -4,7 +4,7 @@ Revision ID: 0013
 Revises: 0012
 Create Date: 2026-12-04
 
-A request's key now includes its job's answer scope (jobs.request_key), so an answer is
+A request's key now includes its job's answer scope (jobs.reuse.answer_key), so an answer is
 reused only within it: the local scope of CLI jobs (null), one API key's own scope, or a
 scope several keys share by choice (`pipeline keys add NAME --share-answers SCOPE`).
 The index entries of earlier API jobs were keyed without a scope, as a CLI job's are: they

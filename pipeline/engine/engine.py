@@ -49,8 +49,8 @@ from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
 from pipeline.layers.pooler import Pooler
-from pipeline.layers.quantization import QUANTIZED_LAYERS, linear_quantizer, quantize, quantize_w8a8
-from pipeline.layers.smoothing import calibration_requests
+from pipeline.layers.quantization.modes import QUANTIZED_LAYERS, linear_quantizer, quantize, quantize_w8a8
+from pipeline.layers.quantization.smoothing import calibration_requests
 from pipeline.layers.sampler import Sampler
 from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, resolve_model_dir
 from pipeline.models.pooling_config import read_pooling_config

@@ -11,7 +11,7 @@
  * (scores, softmax and the weighted sum; the queries are scaled before q.k), writing a
  * bf16 output: bf16 halves the bytes read, which is what decode attention costs.
  *
- * The int8 variants (`_kv8`) read an INT8 KV cache (pipeline/layers/kv_quant.py): int8 keys and
+ * The int8 variants (`_kv8`) read an INT8 KV cache (pipeline/layers/quantization/int8_kv_cache.py): int8 keys and
  * values with one float32 scale per token and kv head, widened in registers. The scales
  * are applied outside the dot products: score = scale_k[t] * (q . k8[t]), and each value
  * row's weight is p[t] * scale_v[t]; a quarter of float32's bytes per key and value.
@@ -24,7 +24,7 @@
  *   context_lens   [num_seqs]               int32, tokens each sequence attends to
  *   k_scales, v_scales [num_blocks, num_kv_heads, block_size]  float32 (int8 caches only)
  *
- * Built by pipeline/kernels/__init__.py with the system C compiler and OpenMP; it
+ * Built by pipeline/kernels/cpu_kernels.py with the system C compiler and OpenMP; it
  * shares PyTorch's OpenMP runtime, so it uses the same threads.
  */
 #include <math.h>

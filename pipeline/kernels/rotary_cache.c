@@ -70,7 +70,7 @@ void rotary_write_kv_bf16(bf16 *qkv, const float *cos, const float *sin, const i
     }
 }
 
-/* ---- INT8 KV cache (pipeline/layers/kv_quant.py) ------------------------------------------------
+/* ---- INT8 KV cache (pipeline/layers/quantization/int8_kv_cache.py) ------------------------------------------------
  * The same rotation, then each token's key and value heads quantized on the way into an
  * int8 cache: scale = max|x| / 127 per (token, head), x8 = round-half-even(x * (127 / max|x|)),
  * the same float32 operations as kv_quant.quantize, so both paths store identical bytes.

@@ -64,7 +64,7 @@ def _once(name: str, module: str, package: str, make) -> Path:
 
 def _convert(gguf_dir: Path, out: Path) -> None:
     """The bundled GGUF as a plain Hugging Face directory (bfloat16 safetensors) in out."""
-    from pipeline.models.model_dir import offline
+    from pipeline.models.offline import offline
 
     offline()
     import torch

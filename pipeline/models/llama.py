@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import kernels
+from pipeline.kernels import cpu_kernels, cuda_kernels
 
 
 @dataclass(slots=True)
@@ -149,7 +149,7 @@ class RMSNorm(nn.Module):
         """rmsnorm(x); with a residual stream: (rmsnorm(x + residual), x + residual), the
         addition fused into the norm as in vLLM (the residual may be updated in place)."""
         if residual is None or residual.is_contiguous():
-            fused = kernels if kernels.serves(x, self.weight) else kernels.triton_pointwise(x, self.weight)
+            fused = cpu_kernels if cpu_kernels.serves(x, self.weight) else cuda_kernels.triton_pointwise(x, self.weight)
             if fused is not None and x.is_contiguous():
                 out = fused.add_rms_norm(x, residual, self.weight, self.eps)
                 return out if residual is None else (out, residual)
@@ -213,7 +213,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        fused = kernels if kernels.serves(gate_up) else kernels.triton_pointwise(gate_up)
+        fused = cpu_kernels if cpu_kernels.serves(gate_up) else cuda_kernels.triton_pointwise(gate_up)
         if fused is not None and gate_up.is_contiguous():
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pipeline.models.model_dir import check_model_dir, offline
+from pipeline.models.model_dir import check_model_dir
+from pipeline.models.offline import offline
 from pipeline.models.architectures import model_class
 from pipeline.models.llama import LlamaArgs, RotaryEmbedding
 

@@ -3,26 +3,18 @@
 A model is the bundled one (None, or its name) or a local Hugging Face directory with a
 config.json and safetensors weights. `pipeline submit` and `pipeline serve` check it
 before a job is queued, so a job for a path that is no model is refused at once instead
-of failing on every worker. Nothing is ever downloaded: `offline()` tells the Hugging
+of failing on every worker. Nothing is ever downloaded: `offline()` (offline.py) tells the Hugging
 Face libraries so before they are used.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pipeline.models.bundled import BUNDLED_NAME
 
 # BERT-family sentence encoders (all-MiniLM, BGE, E5, GTE...): they embed and cannot generate.
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
-
-
-def offline() -> None:
-    """Never reach for a model hub, even by accident through transformers (unless the
-    environment says otherwise)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def is_encoder(model_dir: Path) -> bool:

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion
 from sqlalchemy import text
 
 from jobs.ledger import make_engine
-from pipeline.cli import main
+from cli import main
 from worker_process import BROKER_URL, drop_queue, worker
 
 CHAT = "/v1/chat/completions"
@@ -88,7 +88,7 @@ def server(tmp_path_factory, bundled_model_dir):
     port = free_port()
     log = open(tmp / "serve.log", "wb")
     # Lines may name the model as the bundled directory does, or as a hosted API's file would.
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), "--shard-size", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port), "--shard-size", "2",
                              "--device", "cpu", "--kv-cache-gib", "0.1", *SERVED_AS], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base_url = f"http://127.0.0.1:{port}/v1"

@@ -26,7 +26,7 @@ from openai import OpenAI
 from sqlalchemy import text
 
 from jobs.ledger import make_engine
-from pipeline.cli import main
+from cli import main
 from worker_process import BROKER_URL, drop_queue
 
 CHAT = "/v1/chat/completions"
@@ -68,7 +68,7 @@ def serving(tmp_path, db_url):
         port = s.getsockname()[1]
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port),
                                  "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     server = Server(root, db_url, port, done.stdout.strip())

@@ -15,9 +15,9 @@ from openai.types import Batch
 
 from jobs.ledger import get_job, get_shards, list_jobs
 from jobs.paths import JobPaths
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.submission import create_job_from_file
-from pipeline.cli import main
+from cli import main
 from cluster import TOO_LONG_FOR_TINY
 import hold
 
@@ -121,7 +121,7 @@ def test_a_fifo_or_a_device_is_refused_at_once_and_stdin_is_read_once(runner, da
     os.mkfifo(fifo)  # nobody ever writes to it: a reader that opened it would wait for ever
     env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root)}
     for command, path in (("run", fifo), ("submit", fifo), ("run", "/dev/zero"), ("bench", fifo)):
-        done = subprocess.run([sys.executable, "-m", "pipeline.cli", command, str(path)], env=env,
+        done = subprocess.run([sys.executable, "-m", "cli", command, str(path)], env=env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (command, path, done.stderr)
         kind = "a FIFO (named pipe)" if path == fifo else "a character device"
@@ -347,9 +347,9 @@ def answered_ids(data_root, job_ids):
 def test_retry_takes_every_unanswered_request_once(runner, data_root, tiny_model_dir, tmp_path, Session):
     """A cancelled job with one answer of each kind: retry takes the failed, cancelled and
     never run requests (--only-failed just the failed one), and never one taken before."""
-    from jobs.finalize import finalize_job
+    from jobs.results.finalize import finalize_job
     from jobs.ledger import claim_shard, commit_shard, request_cancel
-    from jobs.results import write_shard_tmp
+    from jobs.results.parquet_files import write_shard_tmp
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Say {i}", "max_tokens": 2} for i in "abcdef"])
     job_id, _ = create_job_from_file(Session, data_root, src, model=str(tiny_model_dir),
@@ -519,7 +519,7 @@ def test_a_full_disk_is_one_clear_line_not_a_traceback(tmp_path, tiny_model_dir)
     try:
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hello there " * 5, "max_tokens": 2}
                                                   for i in range(600)])
-        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(src), "--model", str(tiny_model_dir),
+        done = subprocess.run([sys.executable, "-m", "cli", "run", str(src), "--model", str(tiny_model_dir),
                                *FAST, "--shard-size", "10"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PIPELINE_DATA_DIR": str(disk / "data")})
     finally:

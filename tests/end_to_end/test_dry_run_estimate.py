@@ -12,8 +12,8 @@ import pytest
 from jobs.duration_estimate import AnswerLengths, StepCosts, Work
 from jobs.ledger import list_jobs
 from jobs.paths import JobPaths
-from jobs.results import read_results
-from pipeline.cli import main
+from jobs.results.parquet_files import read_results
+from cli import main
 from cluster import write_jsonl
 
 

@@ -15,8 +15,8 @@ from openai.types import CreateEmbeddingResponse
 from cluster import Cluster
 from jobs.ledger import get_job, make_engine, session_factory
 from jobs.paths import JobPaths, default_database_url
-from jobs.results import read_results
-from pipeline.cli import main
+from jobs.results.parquet_files import read_results
+from cli import main
 
 TEXTS = {"cat": "the cat sat on the mat", "feline": "a feline rested on the rug",
          "revenue": "quarterly revenue grew 8%", "paris": "Paris is the capital of France."}

@@ -39,9 +39,9 @@ from jobs.ledger import (
     ensure_schema, get_job, get_shards, job_counts, list_jobs, make_engine, session_factory, upgrade,
 )
 from jobs.paths import JobPaths, check_job_id, default_database_url
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.submission import create_job_from_file
-from pipeline.cli import main
+from cli import main
 from worker_process import drop_queue
 from cluster import REPO, TINY_CONTEXT, TOO_LONG_FOR_TINY, WAIT_S, Cluster, long_rows, write_jsonl
 
@@ -563,7 +563,7 @@ def test_hostile_input_is_rejected_and_ids_never_become_paths(data_root, tmp_pat
 
 
 def test_jobs_and_recovery_import_neither_celery_nor_torch():
-    code = ("import sys, jobs.submission, jobs.finalize, jobs.ledger, workers.recovery; "
+    code = ("import sys, jobs.submission, jobs.results.finalize, jobs.ledger, workers.recovery; "
             "print(sorted({'celery', 'torch'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert done.stdout.strip() == "[]"
@@ -666,7 +666,7 @@ def test_pipeline_recover_ends_a_job_whose_worker_died_on_its_last_attempt(data_
             s.commit()
         env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": url,
                "PIPELINE_QUEUE": queue, "PIPELINE_MAX_ATTEMPTS": "1"}
-        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "recover"], env=env, cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "cli", "recover"], env=env, cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
@@ -677,7 +677,7 @@ def test_pipeline_recover_ends_a_job_whose_worker_died_on_its_last_attempt(data_
         errors = read_results(JobPaths(data_root, job_id).results_dir)["error"].to_pylist()
         assert len(errors) == 3 and all("gone:1" in e for e in errors)
         env["PIPELINE_BROKER_URL"] = "redis://127.0.0.1:1/0"  # nothing listens there
-        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "recover"], env=env, cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "cli", "recover"], env=env, cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 3 and "cannot reach the broker" in done.stderr
     finally:
@@ -713,7 +713,7 @@ def test_a_given_up_shard_whose_input_is_readable_here_gets_its_rows(db_url, dat
     the error rows (quoting the attempt's error), so the job completes with a row per request."""
     from sqlalchemy import update
 
-    from jobs.finalize import finalize_job
+    from jobs.results.finalize import finalize_job
     from jobs.ledger import Shard, claim_shard, fail_shard, note_shard_error
 
     engine = make_engine(db_url)

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from jobs.ledger import Answer, get_job
 from jobs.paths import JobPaths
-from jobs.results import read_results
-from pipeline.cli import main
+from jobs.results.parquet_files import read_results
+from cli import main
 
 FAST = ["--kv-cache-gib", "0.05", "--device", "cpu"]
 CYCLE = {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}

@@ -15,9 +15,9 @@ import random
 
 from jobs.dry_run import kv_cache_tokens
 from jobs.paths import JobPaths
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from pipeline import Engine, EngineConfig, Request
-from pipeline.cli import main
+from cli import main
 from pipeline.models.loader import resolve_model_dir
 from cluster import TINY_CONTEXT, write_jsonl
 from engine_helpers import all_blocks_free, check_output, greedy, random_prompt, run

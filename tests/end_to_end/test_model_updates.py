@@ -14,7 +14,7 @@ import pytest
 
 from cluster import Cluster
 from jobs.paths import JobPaths
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from pipeline.models.fingerprint import model_fingerprint
 
 WEIGHTS = "model.safetensors"

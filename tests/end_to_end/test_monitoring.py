@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jobs.ledger import claim_shard, get_job, make_engine, request_cancel, session_factory
 from jobs.submission import create_job_from_file
 from pipeline import Engine, EngineConfig, Request
-from pipeline.cli import main
+from cli import main
 from pipeline.engine_key import engine_key
 from pipeline.engine.engine_loop import EngineLoop
 from dashboards import dashboard_queries
@@ -243,7 +243,7 @@ def test_a_workers_metrics_agree_with_the_ledger_and_prometheus_scrapes_them(sql
     c = cluster_factory(sqlite_url)
     worker_port, exporter_port = free_port(), free_port()
     c.start_worker(PIPELINE_METRICS_PORT=worker_port)
-    c.start_process("exporter", [sys.executable, "-m", "pipeline.cli", "metrics", "--port", str(exporter_port)])
+    c.start_process("exporter", [sys.executable, "-m", "cli", "metrics", "--port", str(exporter_port)])
     with prometheus(tmp_path, {"pipeline-workers": worker_port, "pipeline-ledger": exporter_port}) as query:
         rows = some_rows("m", 10)
         job_id = submit_and_wait(c, rows, "--shard-size", "4")
@@ -449,7 +449,7 @@ def test_the_engine_observer_sees_every_step_and_preemption(tiny_model_dir):
 def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_root, tmp_path):
     from jobs.settings import Settings
     from workers.broker import announce, enqueue_job
-    from workers.exporter import registry_for
+    from workers.ledger_exporter import registry_for
 
     queue = f"pipeline-metrics-{uuid.uuid4().hex[:8]}"
     settings = Settings(data_dir=data_root, database_url=db_url, broker_url=BROKER_URL, queue=queue)
@@ -478,7 +478,7 @@ def test_the_exporter_reports_queues_jobs_and_live_job_progress(db_url, data_roo
         assert sample("pipeline_job_shards", job_id=other, status="running") == 1
         with Session() as s:
             assert request_cancel(s, job_id)
-        from jobs.finalize import finalize_job
+        from jobs.results.finalize import finalize_job
         finalize_job(Session, data_root, job_id)
         assert sample("pipeline_jobs", status="cancelled") == 1
         assert sample("pipeline_job_requests", job_id=job_id) is None   # ended: its series are gone
@@ -598,7 +598,7 @@ def test_a_bad_log_format_is_refused(runner, tmp_path):
 
     result = runner.invoke(main, ["worker", "--log-format", "xml"])
     assert result.exit_code == 2 and "'xml' is not one of 'text', 'json'" in result.output
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "worker"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "cli", "worker"], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PIPELINE_LOG_FORMAT": "xml",
                                "PIPELINE_DATA_DIR": str(tmp_path)}, cwd=REPO, timeout=60)
     assert done.returncode == 2 and "'xml' is not one of" in done.stderr, done.stderr

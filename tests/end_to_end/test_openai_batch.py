@@ -20,9 +20,9 @@ from openai.types.chat import ChatCompletion
 
 from jobs.ledger import get_job, list_jobs, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id, default_database_url
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from worker_process import BROKER_URL, drop_queue, queued_messages, worker
-from pipeline.cli import main
+from cli import main
 from cluster import TOO_LONG_FOR_TINY
 
 CHAT = "/v1/chat/completions"
@@ -212,7 +212,7 @@ def pipeline_env(data_dir, db_url) -> dict:
 
 
 def cli(env, *args, timeout=WAIT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], env=env,
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

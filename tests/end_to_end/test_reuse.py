@@ -1,4 +1,4 @@
-"""Answers reused across jobs (jobs.reuse) through `pipeline run` on the tiny model: a rerun
+"""Answers reused across jobs (jobs.reuse.stored_answers) through `pipeline run` on the tiny model: a rerun
 computes only what changed, every reused row names the job it came from and equals it, and
 whatever decides an answer is in the key."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from jobs.ledger import get_job, make_engine, session_factory
 from jobs.paths import JobPaths, default_database_url
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.settings import Settings
-from pipeline.cli import main
+from cli import main
 from workers import broker
 from cluster import TOO_LONG_FOR_TINY
 

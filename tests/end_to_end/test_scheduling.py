@@ -12,14 +12,14 @@ from click.testing import CliRunner
 from sqlalchemy import update
 
 from jobs import ledger
-from jobs.openai_format import output_line
+from jobs.results.openai_output import output_line
 from jobs.paths import JobPaths
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.scheduling import EXPIRED_CODE, parse_window, priority_rank
 from jobs.settings import Settings
 from jobs.submission import create_job_from_file
-from pipeline.cli import main
-from pipeline.cli.errors import EXIT_OVER_CAPACITY
+from cli import main
+from cli.errors import EXIT_OVER_CAPACITY
 from cluster import FAST, Cluster, long_rows, write_jsonl
 from workers import broker
 from workers.recovery import recover

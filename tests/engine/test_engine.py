@@ -124,10 +124,10 @@ def test_request_alone_matches_it_inside_the_batch(tiny_engine, batch32, rid):
 def test_pytorch_path_gives_the_same_tokens_as_the_c_kernels(tiny_engine, batch32, monkeypatch):
     """The batch ran through the C kernels; the PyTorch fallback (no compiler, bfloat16,
     CUDA) must decode the same greedy tokens."""
-    from pipeline import kernels
+    from pipeline.kernels import cpu_kernels
     requests, outputs, _ = batch32
-    monkeypatch.setattr(kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
-    monkeypatch.setattr(kernels, "serves", lambda *tensors: False)
+    monkeypatch.setattr(cpu_kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
+    monkeypatch.setattr(cpu_kernels, "serves", lambda *tensors: False)
     again = run(tiny_engine, [requests[rid] for rid in ("r3", "r17", "r30")])
     assert {rid: out.token_ids for rid, out in again.items()} == {rid: outputs[rid].token_ids for rid in again}
 
@@ -528,14 +528,14 @@ def test_bundled_bf16_c_kernels_and_pytorch_path_agree_up_to_near_ties(hf_bundle
     PyTorch bf16 path give the same greedy tokens, except where float32 itself can hardly
     decide (measured: they part at float32 margins of 0.02 and 0.10; a wrong kernel parts at
     once, by whole logits). The C path, which rounds once per kernel, answers correctly."""
-    from pipeline import kernels
+    from pipeline.kernels import cpu_kernels
     engine = Engine(EngineConfig(device="cpu", dtype="bfloat16", num_kv_blocks=128))
-    assert kernels.serves(torch.zeros(2, dtype=torch.bfloat16))   # the bf16 kernels run first
+    assert cpu_kernels.serves(torch.zeros(2, dtype=torch.bfloat16))   # the bf16 kernels run first
     requests = [Request(k, prompt=p, params=greedy(24)) for k, p in HF_PROMPTS.items()]
     requests.append(Request("chat", messages=CAPITAL, params=greedy(16)))
     with_kernels = run(engine, requests)
-    monkeypatch.setattr(kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
-    monkeypatch.setattr(kernels, "serves", lambda *tensors: False)
+    monkeypatch.setattr(cpu_kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
+    monkeypatch.setattr(cpu_kernels, "serves", lambda *tensors: False)
     without = run(engine, requests)
     assert "Paris" in with_kernels["chat"].text
     for request in requests:
@@ -620,11 +620,11 @@ def test_int8_kv_cache_logits_stay_close_to_the_auto_cache(tiny_engine, tiny_mod
         assert 0 < err < 0.005 * a.abs().max().item(), err   # measured ~0.0008: lossy, but slightly
     assert all_blocks_free(engine8)
     # The PyTorch path (quantize in write_kv, dequantize per gathered block) agrees with the C one.
-    from pipeline import kernels
+    from pipeline.kernels import cpu_kernels
     c_logits = list(got_logits)
     got_logits.clear()
-    monkeypatch.setattr(kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
-    monkeypatch.setattr(kernels, "can_write_kv", lambda qkv, k_cache: False)
+    monkeypatch.setattr(cpu_kernels, "can_run_paged_decode_attention", lambda q, k_cache: False)
+    monkeypatch.setattr(cpu_kernels, "can_write_kv", lambda qkv, k_cache: False)
     assert run(engine8, [request])["q"].token_ids == ref.token_ids
     for a, b in zip(c_logits, got_logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)

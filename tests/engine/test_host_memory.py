@@ -16,7 +16,7 @@ from pipeline.host_memory import use_one_malloc_arena
 if sys.argv[1] == "one":
     assert use_one_malloc_arena()
 elif sys.argv[1] == "cli":   # any `pipeline` command
-    from pipeline.cli import main
+    from cli import main
     main(["list"], standalone_mode=False)
 elif sys.argv[1] == "worker":   # what `celery -A workers.app worker` does first: its modules, as it imports them
     import workers.app

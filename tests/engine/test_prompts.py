@@ -80,10 +80,10 @@ TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name 
 
 
 def test_an_openai_tool_conversation_reaches_the_template_as_it_expects(bundled_model_dir):
-    """Messages checked by the job's validation (jobs.input_fields) render with each call's
+    """Messages checked by the job's validation (jobs.input.prompt_checks) render with each call's
     arguments as an object (a template's tojson of the OpenAI string would quote it again);
     a template that never reads tool_calls fails the request instead of dropping the calls."""
-    from jobs.input_fields import request_inputs
+    from jobs.input.prompt_checks import request_inputs
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
     problems = []

@@ -1,17 +1,17 @@
-"""Scanning a whole input file in line ranges (jobs.file_scan) finds exactly what one pass
-finds, and writes the same shards; ids are checked across ranges (jobs.unique_ids)."""
+"""Scanning a whole input file in line ranges (jobs.input.file_scan) finds exactly what one pass
+finds, and writes the same shards; ids are checked across ranges (jobs.input.unique_ids)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from jobs import file_scan, unique_ids
-from jobs.file_scan import validate, write_input_shards
+from jobs.input import file_scan, unique_ids
+from jobs.input.file_scan import validate, write_input_shards
 from jobs.paths import input_shard_name
-from jobs.shards import read_shard
-from jobs.spec import InvalidInput, Limits, validate as validate_in_one_pass
-from jobs.unique_ids import IdLog, duplicates
+from jobs.input.shard_files import read_shard
+from jobs.input.line_checks import InvalidInput, Limits, validate as validate_in_one_pass
+from jobs.input.unique_ids import IdLog, duplicates
 
 CHAT = "/v1/chat/completions"
 
@@ -137,11 +137,11 @@ def test_equal_digests_of_different_ids_are_not_duplicates(monkeypatch):
 
 
 def test_a_shard_line_as_written_is_its_requests_dict_so_both_give_one_key(tmp_path):
-    """The submit keys a rerun's lines straight from the shard file (jobs.reuse.answer_at_submit)
+    """The submit keys a rerun's lines straight from the shard file (jobs.reuse.stored_answers.answer_at_submit)
     and a worker from the RequestSpec it reads (spec.to_dict()): both must be the same dict, for
     every shape of line, or a stored answer would be found by one and missed by the other."""
-    from jobs.request_key import request_key
-    from jobs.request_spec import RequestSpec
+    from jobs.reuse.answer_key import request_key
+    from jobs.input.request_spec import RequestSpec
 
     chat = [{"custom_id": f"o{i}", "method": "POST", "url": CHAT,
              "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}], "temperature": 0,

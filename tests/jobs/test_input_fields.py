@@ -1,4 +1,4 @@
-"""Chat messages as OpenAI's format writes them (jobs.input_fields): text parts, names, a
+"""Chat messages as OpenAI's format writes them (jobs.input.prompt_checks): text parts, names, a
 conversation's tool calls and results, an SDK's message dumped whole; completions' prompt as
 a list of texts or token ids; and OpenAI body fields given as null. Each is taken in the form
 chat templates (and the engine) read, or refused with its line."""
@@ -8,7 +8,7 @@ import json
 
 from openai.types.chat import ChatCompletionMessage
 
-from jobs.spec import Limits, iter_lines, validate
+from jobs.input.line_checks import Limits, iter_lines, validate
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

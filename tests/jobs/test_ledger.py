@@ -16,7 +16,7 @@ from jobs.ledger import (
     try_finalize, upgrade,
 )
 from jobs.paths import JobPaths, new_job_id
-from jobs.results import read_results, write_shard_tmp
+from jobs.results.parquet_files import read_results, write_shard_tmp
 
 LEASE = 60.0
 

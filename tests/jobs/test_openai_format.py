@@ -1,4 +1,4 @@
-"""OpenAI Batch shapes (jobs.openai_format), validated against the openai package's own types."""
+"""OpenAI Batch shapes (jobs.results.openai_output), validated against the openai package's own types."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 from openai.types.responses.response import IncompleteDetails
 
-from jobs.openai_format import batch_object, is_error_line, output_line, write_openai_files
+from jobs.results.openai_output import batch_object, is_error_line, output_line, write_openai_files
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -1,4 +1,4 @@
-"""The plain-line path (jobs.plain_lines) only ever accepts what the full checks accept, as
+"""The plain-line path (jobs.input.plain_lines) only ever accepts what the full checks accept, as
 the same request line, and it does take the common lines."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.request_fields import Bad
-from jobs.spec import Limits, _Reader
-from jobs.validation import RangeOutcome
+from jobs.input.field_checks import Bad
+from jobs.input.line_checks import Limits, _Reader
+from jobs.input.validation import RangeOutcome
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LIMITS = Limits(max_id_chars=8, max_prompt_chars=40)

@@ -1,4 +1,4 @@
-"""/v1/responses lines (jobs.response_fields): each is the request its chat completions
+"""/v1/responses lines (jobs.input.responses_body): each is the request its chat completions
 equivalent is, field for field, and what a batch cannot do is a bad line named in the
 Responses API's own words."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
 
-from jobs.spec import Limits, iter_lines, validate
+from jobs.input.line_checks import Limits, iter_lines, validate
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

@@ -1,4 +1,4 @@
-"""Result Parquet files and the data-root layout (jobs.results, jobs.paths)."""
+"""Result Parquet files and the data-root layout (jobs.results.parquet_files, jobs.paths)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,11 @@ import duckdb
 import pyarrow.compute as pc
 import pytest
 
-from jobs import paths, results
+from jobs import paths
+from jobs.results import parquet_files
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.settings import Settings
-from jobs.results import (
+from jobs.results.parquet_files import (
     RESULT_SCHEMA, export_jsonl, iter_result_rows, read_results, write_shard_tmp,
 )
 
@@ -48,7 +49,7 @@ def test_round_trip_keeps_rows_and_schema(jp):
 
 
 def test_many_shards_are_read_in_groups_of_files_in_shard_order(jp, monkeypatch):
-    monkeypatch.setattr(results, "_FILES_A_SCAN", 2)   # 5 shards: three scans
+    monkeypatch.setattr(parquet_files, "_FILES_A_SCAN", 2)   # 5 shards: three scans
     for shard in range(5):
         commit(jp, shard, result_rows(shard, shard + 1))
     ids = [f"req-{shard}-{i}" for shard in range(5) for i in range(shard + 1)]

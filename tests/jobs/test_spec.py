@@ -1,4 +1,4 @@
-"""Job input validation and sharding (jobs.spec), on real files."""
+"""Job input validation and sharding (jobs.input.line_checks), on real files."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs.paths import input_shard_name as shard_file_name
-from jobs.file_scan import write_input_shards as write_shards
-from jobs.shards import read_shard
-from jobs.spec import InvalidInput, LineError, Limits, RequestSpec, iter_lines, validate
+from jobs.input.file_scan import write_input_shards as write_shards
+from jobs.input.shard_files import read_shard
+from jobs.input.line_checks import InvalidInput, LineError, Limits, RequestSpec, iter_lines, validate
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

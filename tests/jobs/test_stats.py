@@ -1,4 +1,4 @@
-"""Job statistics computed from result shards (jobs.stats)."""
+"""Job statistics computed from result shards (jobs.results.job_stats)."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.paths import JobPaths
-from jobs.results import write_shard_tmp
-from jobs.stats import STATS_SCHEMA, compute_stats, write_stats
+from jobs.results.parquet_files import write_shard_tmp
+from jobs.results.job_stats import STATS_SCHEMA, compute_stats, write_stats
 
 JOB = "job_00000000000000aa"
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from attention_helpers import BS, CPU, NUM_BLOCKS, hand_made_batch, next_decode_layout, runner_for, seq
-from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+from pipeline.kernels import cpu_kernels
 from pipeline.layers.attention import HostToDevice, LayerCache, select
 from pipeline.layers.attention.cpu import CpuBackend
 from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenBackend
@@ -104,7 +105,7 @@ def test_reference_backend_equals_the_cpu_backend_on_a_mixed_batch(num_heads, nu
         meta = backend.build_metadata(layout, num_kv_heads, runner.to_device)
         backend.write_kv(cache, k_new, v_new, meta)
         outs[backend.name] = backend.forward(q, k_new, v_new, cache, meta, head_dim ** -0.5)
-    assert kernels.can_run_paged_decode_attention(q, torch.empty(1, dtype=torch.float32))   # the C kernel ran
+    assert cpu_kernels.can_run_paged_decode_attention(q, torch.empty(1, dtype=torch.float32))   # the C kernel ran
     torch.testing.assert_close(outs["reference"], outs["cpu"], atol=1e-5, rtol=1e-5)
 
 
@@ -198,7 +199,7 @@ def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_di
     the eager padded forward must also read nothing back. 3 sequences padded to the bucket
     of 4: compiled logits equal eager's for the real and the padding row, the real rows
     equal the unpadded eager step's, and the padding row wrote only to the pad block."""
-    monkeypatch.setattr(kernels, "_load", lambda: None)   # as PIPELINE_CPU_KERNELS=0
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: None)   # as PIPELINE_CPU_KERNELS=0
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
                                  max_num_seqs=4, pack_weights=False, attention_backend="reference"))
     rng = random.Random(0)

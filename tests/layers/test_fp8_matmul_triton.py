@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import kernels
+from pipeline.kernels import cuda_kernels
 from pipeline.kernels import fp8_matmul_triton as fp8mm
-from pipeline.layers import weight_quant as wq
+from pipeline.layers.quantization import weight_only as wq
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 CPU = torch.device("cpu")
@@ -68,7 +68,7 @@ def test_fp8_linear_through_the_triton_product_equals_its_reference(monkeypatch,
         linear.weight.normal_(0, 0.05)
     layer = wq.quantized_linear("fp8", linear, CPU, torch.float32)
     calls = []
-    monkeypatch.setattr(kernels, "triton_fp8_matmul", lambda x8: calls.append(x8.shape) or fp8mm)
+    monkeypatch.setattr(cuda_kernels, "triton_fp8_matmul", lambda x8: calls.append(x8.shape) or fp8mm)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         layer(x)
@@ -81,7 +81,7 @@ def test_fp8_linear_through_the_triton_product_equals_its_reference(monkeypatch,
 
 def test_the_product_serves_no_cpu_tensor():
     x8, *_ = operands(4, 16, 16)
-    assert kernels.triton_fp8_matmul(x8) is None
+    assert cuda_kernels.triton_fp8_matmul(x8) is None
 
 
 def test_the_probe_passes_and_turns_a_wrong_kernel_off(monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""CPU int8 linear layers (`--quantization w8a8`, pipeline/layers/int8_linear.py): bounded
+"""CPU int8 linear layers (`--quantization w8a8`, pipeline/layers/quantization/int8_linear.py): bounded
 error against float32 for any shape and row count, a row's result independent of its
 batch, the kernel chosen once and logged, the PyTorch fallback forced and equal; and the
 engine on the tiny Llama: it generates, and prefix caching, preemption and speculative
@@ -14,11 +14,11 @@ from torch import nn
 
 from pipeline import Engine, EngineConfig, Request
 from pipeline.engine_key import engine_key
-from pipeline.layers import int8_linear
-from pipeline import kernels
-from pipeline.layers.int8_linear import FULL_ACTIVATIONS, NARROW_ACTIVATIONS, Int8Gemm, Int8Linear, int8_gemm
+from pipeline.layers.quantization import int8_linear
+from pipeline.kernels import cpu_kernels
+from pipeline.layers.quantization.int8_linear import FULL_ACTIVATIONS, NARROW_ACTIVATIONS, Int8Gemm, Int8Linear, int8_gemm
 from pipeline.layers.packed_linear import PackedLinear, _mkl
-from pipeline.layers.quantization import quantize
+from pipeline.layers.quantization.modes import quantize
 from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
@@ -114,14 +114,14 @@ def test_the_row_quantizer_and_scaler_compute_the_pytorch_formula_bit_for_bit(dt
     """kernels/quantize_rows.c against what int8_linear's fallback writes in PyTorch: rows of
     any scale, a zero row (zero point, top at the floor), a row exactly on a rounding tie,
     odd widths, bit for bit; and the way back (times top, plus the bias, into the dtype)."""
-    if not kernels.available():
+    if not cpu_kernels.available():
         pytest.skip("no C compiler: the PyTorch path serves")
     torch.manual_seed(4)
     x = (torch.randn(37, 131) * torch.logspace(-3, 3, 37)[:, None]).to(dtype)
     x[3] = 0
     x[5] = 0
     x[5, :5] = torch.tensor([127, -63.5, 0.5, 1.5, -2.5])   # top 127: the factor is 1, and these are ties
-    q, top = kernels.quantize_rows_u8(x, 127, 128)
+    q, top = cpu_kernels.quantize_rows_u8(x, 127, 128)
     rows = x.float()
     expected_top = rows.abs().amax(1, keepdim=True).clamp(min=int8_linear.MIN_TOP)
     factor = torch.full_like(expected_top, 127).div_(expected_top)
@@ -131,9 +131,9 @@ def test_the_row_quantizer_and_scaler_compute_the_pytorch_formula_bit_for_bit(dt
     # The way back may fuse the multiply-add (one rounding where PyTorch has two): equal within that.
     acc, cols, bias = torch.randn(37, 53), torch.rand(53), torch.randn(53)
     tight = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
-    torch.testing.assert_close(kernels.scale_rows(acc.clone(), top, cols, bias, dtype),
+    torch.testing.assert_close(cpu_kernels.scale_rows(acc.clone(), top, cols, bias, dtype),
                                (acc * top * cols + bias).to(dtype), **tight)
-    assert torch.equal(kernels.scale_rows(acc.clone(), top, cols, None, dtype), (acc * top * cols).to(dtype))
+    assert torch.equal(cpu_kernels.scale_rows(acc.clone(), top, cols, None, dtype), (acc * top * cols).to(dtype))
 
 
 @needs_onednn
@@ -153,7 +153,7 @@ def test_the_onednn_path_is_bounded_and_its_pytorch_twin_equal(rows, monkeypatch
         assert row_errors(got, expected).max() < 0.05
         assert row_errors(got, reference).median() < 1e-5 and row_errors(got, reference).max() < 1e-2
         bf16 = layer(x.bfloat16())
-        monkeypatch.setattr(kernels, "serves", lambda *tensors: False)
+        monkeypatch.setattr(cpu_kernels, "serves", lambda *tensors: False)
         fallback = layer(x)
         # The same quantized rows and product; the way back may differ by a fused multiply-add.
         torch.testing.assert_close(fallback, got, rtol=1e-6, atol=1e-5)
@@ -175,7 +175,7 @@ def test_amx_picks_onednn_unless_forced_and_a_cpu_without_it_does_not(fresh_choi
 
 
 def test_kernel_choice_is_made_once_and_logged_once(fresh_choice, caplog):
-    with caplog.at_level(logging.INFO, logger="pipeline.layers.int8_linear"):
+    with caplog.at_level(logging.INFO, logger="pipeline.layers.quantization.int8_linear"):
         for _ in range(3):
             Int8Linear(nn.Linear(16, 8))
     records = [r for r in caplog.records if r.getMessage().startswith("int8 linear layers:")]

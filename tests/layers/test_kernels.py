@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import kernels
+from pipeline.kernels import cpu_kernels
 from pipeline.layers.attention.cpu_paged import DecodeLayout, decode_attention_torch, gather_context
 
 
@@ -60,7 +60,7 @@ def test_decode_attention_matches_a_dense_reference(num_heads, num_kv_heads, hea
     torch.testing.assert_close(decode_attention_torch(q, k_cache, v_cache, layout, scale), expected)
     # q as the model passes it: a strided slice of the fused q/k tensor.
     fused = torch.cat([q, torch.randn(len(LENS), num_kv_heads, head_dim)], dim=1)
-    got = kernels.paged_decode_attention(fused[:, :num_heads], k_cache, v_cache,
+    got = cpu_kernels.paged_decode_attention(fused[:, :num_heads], k_cache, v_cache,
                                          layout.block_tables, layout.context_lens, scale)
     torch.testing.assert_close(got, expected)
 
@@ -76,7 +76,7 @@ def test_bf16_decode_attention_matches_a_float32_reference(num_heads, num_kv_hea
     expected = dense_reference(q.float(), k_cache.float(), v_cache.float(), tables, LENS, scale)
     layout = DecodeLayout.build(tables, LENS, 16, torch.device("cpu"))
     fused = torch.cat([q, torch.randn(len(LENS), num_kv_heads, head_dim).bfloat16()], dim=1)
-    got = kernels.paged_decode_attention(fused[:, :num_heads], k_cache, v_cache,
+    got = cpu_kernels.paged_decode_attention(fused[:, :num_heads], k_cache, v_cache,
                                          layout.block_tables, layout.context_lens, scale)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-3)   # bf16's half ulp is 2**-9
@@ -92,7 +92,7 @@ def test_bf16_rounding_is_round_to_nearest_even_like_pytorch():
     x = torch.tensor([tie, 3 * tie, -tie / 2, 3e38, -3e38, 1.0, 1e-39, float("inf"), -0.0]).bfloat16()
     expected = residual + x
     got = residual.clone().view(1, -1)
-    kernels.add_rms_norm(x.view(1, -1), got, torch.ones(9).bfloat16(), 1e-5)
+    cpu_kernels.add_rms_norm(x.view(1, -1), got, torch.ones(9).bfloat16(), 1e-5)
     assert got.view(-1).view(torch.int16).tolist() == expected.view(torch.int16).tolist()
 
 
@@ -103,18 +103,18 @@ def test_bf16_add_rms_norm_matches_pytorch(rows):
                            torch.randn(96).bfloat16())
     expected_residual = residual + x                      # bf16 add: float32, rounded once
     expected = F.rms_norm(expected_residual.float(), (96,), weight.float(), 1e-5)
-    out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    out = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)   # updated in place, exactly
     torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-5)
-    torch.testing.assert_close(kernels.add_rms_norm(x, None, weight, 1e-5).float(),
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x, None, weight, 1e-5).float(),
                                F.rms_norm(x.float(), (96,), weight.float(), 1e-5), rtol=8e-3, atol=1e-5)
 
 
 def test_bf16_silu_and_mul_matches_pytorch():
     gate = torch.cat([torch.linspace(-100, 100, 20_000), torch.randn(20_000) * 4]).view(-1, 400).bfloat16()
     up = torch.randn_like(gate)
-    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1))
+    got = cpu_kernels.silu_and_mul(torch.cat([gate, up], dim=1))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.silu(gate.float()) * up.float(), rtol=8e-3, atol=1e-30)
 
@@ -125,8 +125,8 @@ def test_add_rms_norm_matches_pytorch(rows):
     x, residual, weight = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
     expected_residual = residual + x
     expected = F.rms_norm(expected_residual, (96,), weight, 1e-5)
-    torch.testing.assert_close(kernels.add_rms_norm(x, None, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
-    out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x, None, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
+    out = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(residual, expected_residual)   # updated in place
 
@@ -134,7 +134,7 @@ def test_add_rms_norm_matches_pytorch(rows):
 def test_silu_and_mul_matches_pytorch_over_the_float_range():
     gate = torch.cat([torch.linspace(-100, 100, 20_000), torch.randn(20_000) * 4]).view(-1, 400)
     up = torch.randn_like(gate)
-    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1))
+    got = cpu_kernels.silu_and_mul(torch.cat([gate, up], dim=1))
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
 
 
@@ -155,7 +155,7 @@ def test_rotary_write_kv_matches_pytorch(dtype):
     write_kv(caches[0], rows, qk[:, heads:])
     write_kv(caches[1], rows, view[:, heads + kv_heads:])
     got = qkv.clone()
-    kernels.rotary_write_kv(got, rotation.cos, rotation.sin, rows, caches[2], caches[3], heads, kv_heads)
+    cpu_kernels.rotary_write_kv(got, rotation.cos, rotation.sin, rows, caches[2], caches[3], heads, kv_heads)
     got = got.view(tokens, -1, head_dim)
     torch.testing.assert_close(got[:, :heads + kv_heads], qk)
     torch.testing.assert_close(got[:, heads + kv_heads:], view[:, heads + kv_heads:])   # v untouched
@@ -166,31 +166,31 @@ def test_rotary_write_kv_matches_pytorch(dtype):
 def test_the_kernel_builds_here_and_serves_cpu_float32_and_bfloat16_only():
     """The test machine has a C compiler: the fast path must actually be the one tested."""
     q, k_cache = torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)
-    assert kernels.can_run_paged_decode_attention(q, k_cache)
-    assert kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache.bfloat16())
-    assert not kernels.can_run_paged_decode_attention(q.half(), k_cache.half())
-    assert not kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache)
-    assert not kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 60), torch.zeros(2, 2, 16, 60))
-    assert kernels.serves(q, k_cache) and kernels.serves(q.bfloat16(), k_cache.bfloat16())
-    assert not kernels.serves(q.half()) and not kernels.serves(q, k_cache.bfloat16())
-    assert not kernels.serves(torch.zeros(4, 8).t())
+    assert cpu_kernels.can_run_paged_decode_attention(q, k_cache)
+    assert cpu_kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache.bfloat16())
+    assert not cpu_kernels.can_run_paged_decode_attention(q.half(), k_cache.half())
+    assert not cpu_kernels.can_run_paged_decode_attention(q.bfloat16(), k_cache)
+    assert not cpu_kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 60), torch.zeros(2, 2, 16, 60))
+    assert cpu_kernels.serves(q, k_cache) and cpu_kernels.serves(q.bfloat16(), k_cache.bfloat16())
+    assert not cpu_kernels.serves(q.half()) and not cpu_kernels.serves(q, k_cache.bfloat16())
+    assert not cpu_kernels.serves(torch.zeros(4, 8).t())
 
 
 def test_without_a_compiler_the_pytorch_path_is_used(tmp_path):
     """No compiler and no cached build: the kernel is unavailable, nothing fails."""
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), PIPELINE_CACHE_DIR=str(tmp_path))
-    code = ("import torch; from pipeline import kernels; "
-            "print(kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)))")
+    code = ("import torch; from pipeline.kernels import cpu_kernels; "
+            "print(cpu_kernels.can_run_paged_decode_attention(torch.zeros(1, 4, 64), torch.zeros(2, 2, 16, 64)))")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
     assert "PyTorch path" in result.stderr
 
 
-# ---- INT8 KV cache (pipeline/layers/kv_quant.py) --------------------------------------------------
+# ---- INT8 KV cache (pipeline/layers/quantization/int8_kv_cache.py) --------------------------------------------------
 
 def test_int8_round_trip_error_is_at_most_half_a_step():
-    from pipeline.layers.kv_quant import dequantize, quantize
+    from pipeline.layers.quantization.int8_kv_cache import dequantize, quantize
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50).view(50, 1, 1)
     x[0, 0] = 0.0                                  # an all-zero head stays exactly zero
@@ -206,7 +206,7 @@ def test_int8_round_trip_error_is_at_most_half_a_step():
 
 
 def int8_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens):
-    from pipeline.layers.kv_quant import quantize
+    from pipeline.layers.quantization.int8_kv_cache import quantize
     q, k_cache, v_cache, tables = random_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens)
     (k8, ks), (v8, vs) = quantize(k_cache * 3), quantize(v_cache)
     return q, k8, ks, v8, vs, tables
@@ -217,14 +217,14 @@ def int8_paged_batch(num_heads, num_kv_heads, head_dim, block_size, lens):
 def test_int8_decode_attention_matches_the_dequantized_reference(num_heads, num_kv_heads, head_dim, dtype):
     """The kernel reads int8 blocks and their scales in place; the PyTorch path dequantizes
     the blocks it gathers; both equal dense attention over the dequantized cache."""
-    from pipeline.layers.kv_quant import dequantize
+    from pipeline.layers.quantization.int8_kv_cache import dequantize
     q, k8, ks, v8, vs, tables = int8_paged_batch(num_heads, num_kv_heads, head_dim, 16, LENS)
     q = q.to(dtype)
     scale = head_dim ** -0.5
     expected = dense_reference(q.float(), dequantize(k8, ks), dequantize(v8, vs), tables, LENS, scale)
     layout = DecodeLayout.build(tables, LENS, 16, torch.device("cpu"))
-    assert kernels.can_run_paged_decode_attention(q, k8)
-    got = kernels.paged_decode_attention(q, k8, v8, layout.block_tables, layout.context_lens, scale,
+    assert cpu_kernels.can_run_paged_decode_attention(q, k8)
+    got = cpu_kernels.paged_decode_attention(q, k8, v8, layout.block_tables, layout.context_lens, scale,
                                          k_scales=ks, v_scales=vs)
     torch_path = decode_attention_torch(q, k8, v8, layout, scale, ks, vs)
     tol = dict(rtol=8e-3, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -252,7 +252,7 @@ def test_int8_rotary_write_kv_quantizes_like_pytorch(dtype):
     write_kv(caches[0], rows, qk[:, heads:], scales[0])
     write_kv(caches[1], rows, view[:, heads + kv_heads:], scales[1])
     got = qkv.clone()
-    kernels.rotary_write_kv(got, rotation.cos, rotation.sin, rows, caches[2], caches[3], heads, kv_heads,
+    cpu_kernels.rotary_write_kv(got, rotation.cos, rotation.sin, rows, caches[2], caches[3], heads, kv_heads,
                             scales[2], scales[3])
     torch.testing.assert_close(got.view(tokens, -1, head_dim)[:, :heads + kv_heads], qk)
     assert torch.equal(caches[3], caches[1]) and torch.equal(scales[3], scales[1])   # v is not rotated

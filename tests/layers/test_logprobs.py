@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion
 
 from jobs.paths import JobPaths
 from pipeline import Engine, EngineConfig, Request, SamplingParams
-from pipeline.cli import main
+from cli import main
 
 PROMPT = "Once upon a time"
 FAST = ["--kv-cache-gib", "0.05", "--device", "cpu", "--dtype", "float32"]

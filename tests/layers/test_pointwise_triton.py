@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import Engine, EngineConfig, Request, SamplingParams, kernels
+from pipeline import Engine, EngineConfig, Request, SamplingParams
+
+from pipeline.kernels import cpu_kernels, cuda_kernels
 from pipeline.kernels import pointwise_triton
-from pipeline.layers import weight_quant as wq
+from pipeline.layers.quantization import weight_only as wq
 from pipeline.layers.attention import LayerCache
 from pipeline.layers.attention.varlen import ReferenceVarlenBackend, VarlenMetadata
 from pipeline.models.llama import apply_rotary
@@ -131,14 +133,14 @@ def test_quantize_fp8_rows_computes_the_pytorch_formulas_bits_before_the_cast(dt
 def test_they_serve_cuda_tensors_only():
     x = torch.zeros(2, 8)
     assert not pointwise_triton.serves(x)
-    assert kernels.triton_pointwise(x) is None
-    assert kernels.triton_fp8_rows(x) is None
+    assert cuda_kernels.triton_pointwise(x) is None
+    assert cuda_kernels.triton_fp8_rows(x) is None
 
 
 def test_an_engine_through_the_fused_kernels_decodes_the_pytorch_paths_tokens(tiny_model_dir, monkeypatch):
     """The reference backend (the varlen layout the rotary kernel writes), no C kernels: once
     with PyTorch's ops, once with every norm, SiLU and rotary write through the Triton kernels."""
-    monkeypatch.setattr(kernels, "_load", lambda: None)   # as PIPELINE_CPU_KERNELS=0
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: None)   # as PIPELINE_CPU_KERNELS=0
     requests = [Request(f"r{i}", prompt_token_ids=list(range(100 + 7 * i, 140 + 11 * i)),
                         params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for i in range(4)]
     config = EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
@@ -155,7 +157,7 @@ def test_an_engine_through_the_fused_kernels_decodes_the_pytorch_paths_tokens(ti
         return call
     fused = type("Fused", (), {name: staticmethod(counting(name))
                                for name in ("add_rms_norm", "silu_and_mul", "rotary_write_kv")})
-    monkeypatch.setattr(kernels, "triton_pointwise", lambda *tensors: fused)
+    monkeypatch.setattr(cuda_kernels, "triton_pointwise", lambda *tensors: fused)
     assert {o.id: o.token_ids for o in Engine(config).generate(requests)} == plain
     steps = 8   # the prefill step and 7 decodes of one batch, 2 layers each
     assert calls["rotary_write_kv"] == calls["silu_and_mul"] == 2 * steps, calls

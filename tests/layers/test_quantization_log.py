@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.layers.quantization import BNB_CAST_LOGGER, CastWarningOnce, quantize
+from pipeline.layers.quantization.modes import BNB_CAST_LOGGER, CastWarningOnce, quantize
 
 pytest.importorskip("bitsandbytes")
 

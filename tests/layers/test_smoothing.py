@@ -1,4 +1,4 @@
-"""SmoothQuant before w8a8 (pipeline/layers/smoothing.py): folding the factors leaves the
+"""SmoothQuant before w8a8 (pipeline/layers/quantization/smoothing.py): folding the factors leaves the
 float model's answers as they were (every architecture: biases, tied embeddings, q/k norms,
 GQA), flattens the ranges the int8 activations see, and the w8a8 engine calibrates once,
 alike whatever its cache, leaving nothing of the float model in its prefix cache; on the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline import Engine, EngineConfig, Request
-from pipeline.layers.smoothing import (CALIBRATION_TEXT, SMOOTHED_INPUTS, calibration_requests,
+from pipeline.layers.quantization.smoothing import (CALIBRATION_TEXT, SMOOTHED_INPUTS, calibration_requests,
                                        recording_input_ranges, smooth_decoder)
 from pipeline.sampling_params import SamplingParams
 from engine_helpers import BIG_POOL, greedy, run

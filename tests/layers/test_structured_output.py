@@ -333,7 +333,7 @@ def test_a_batch_with_schemas_and_a_forced_tool_call_comes_back_in_openai_shapes
     from openai.types.chat import ChatCompletion
 
     from jobs.ledger import list_jobs
-    from pipeline.cli import main
+    from cli import main
 
     lines = [
         chat_line("movie", "Describe the movie Jaws as JSON.", response_format={
@@ -366,7 +366,7 @@ def test_a_batch_with_schemas_and_a_forced_tool_call_comes_back_in_openai_shapes
 
 
 def test_bad_schemas_regexes_and_tool_choices_are_refused_with_their_line_numbers(runner, data_root, tmp_path):
-    from pipeline.cli import main
+    from cli import main
 
     lines = [
         chat_line("ok", "Hi", response_format={"type": "json_object"}),
@@ -389,7 +389,7 @@ def test_bad_schemas_regexes_and_tool_choices_are_refused_with_their_line_number
 
 
 def test_validating_many_lines_that_share_one_schema_compiles_it_once(tmp_path):
-    from jobs.spec import validate
+    from jobs.input.line_checks import validate
     from pipeline import structured_output
 
     line = json.dumps(chat_line("x", "Hi", response_format={

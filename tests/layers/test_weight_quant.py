@@ -1,4 +1,4 @@
-"""fp8, w8a16 and w4a16 (pipeline/layers/weight_quant.py), on the CPU: each quantized linear
+"""fp8, w8a16 and w4a16 (pipeline/layers/quantization/weight_only.py), on the CPU: each quantized linear
 within a bounded error of float32 for odd and model shapes and 1, 64 and 1,024 rows; the
 CPU op equal to the quantization formula it stands for; what the CUDA op computes (its
 formula in plain PyTorch) equal to the CPU op up to bf16 rounding; the CUDA calls passing
@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.engine_key import engine_key
-from pipeline.layers import weight_quant as wq
-from pipeline.layers.quantization import QUANTIZED_LAYERS, linear_quantizer, quantize
+from pipeline.layers.quantization import weight_only as wq
+from pipeline.layers.quantization.modes import QUANTIZED_LAYERS, linear_quantizer, quantize
 from pipeline.models.loader import load_model
 from engine_helpers import all_blocks_free, check_output, greedy, run
 

@@ -13,7 +13,7 @@ import click
 import pytest
 import yaml
 
-from pipeline.cli import main
+from cli import main
 from dashboards import dashboard_queries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,11 +163,11 @@ def test_monitoring_services_scrape_the_workers_and_the_exporter(services):
 def test_the_dashboard_queries_only_metrics_that_exist():
     from prometheus_client.metrics import MetricWrapperBase
 
-    from workers import exporter, metrics
+    from workers import ledger_exporter, metrics
 
     used = {re.sub(r"_(bucket|count|sum)$", "", name) for expr in dashboard_queries()
             for name in re.findall(r"\bpipeline_\w+", expr)}
     families = [f for m in vars(metrics).values() if isinstance(m, MetricWrapperBase) for f in m.describe()]
     defined = {f.name + "_total" if f.type == "counter" else f.name for f in families}
-    defined |= set(re.findall(r'GaugeMetricFamily\(\s*"(pipeline_\w+)"', Path(exporter.__file__).read_text()))
+    defined |= set(re.findall(r'GaugeMetricFamily\(\s*"(pipeline_\w+)"', Path(ledger_exporter.__file__).read_text()))
     assert len(used) > 10 and used <= defined, used - defined

@@ -8,10 +8,10 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from jobs.finalize import finalize_job
+from jobs.results.finalize import finalize_job
 from jobs.ledger import Job, expire_if_due, get_job, utcnow
 from jobs.paths import JobPaths
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.submission import create_job_from_file
 from workers.recovery import sweep_tmp
 

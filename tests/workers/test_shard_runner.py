@@ -10,7 +10,7 @@ from sqlalchemy import update
 
 from jobs.ledger import Shard, create_job, get_job, get_shards
 from jobs.paths import JobPaths, new_job_id
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from jobs.paths import input_shard_name as shard_file_name
 from workers.shard_runner import run_shard
 from shard_helpers import another_worker_takes_over, cancel, run_with_a_quick_request_first, submit
@@ -93,8 +93,8 @@ def test_a_token_id_beyond_the_vocabulary_fails_its_own_request_not_another_jobs
     on the first and only attempt."""
     import threading
 
-    from jobs.file_scan import write_input_shards
-    from jobs.spec import Limits
+    from jobs.input.file_scan import write_input_shards
+    from jobs.input.line_checks import Limits
 
     _, Session = ledger
 

@@ -15,7 +15,7 @@ import pytest
 
 from jobs.ledger import get_job, get_shards, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id
-from jobs.results import read_results
+from jobs.results.parquet_files import read_results
 from worker_process import BROKER_URL, drop_queue, worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def pipeline_env(data_root, db_url) -> dict:
 
 def submit_and_wait(env, src, *args) -> str:
     """`pipeline submit --wait`; returns the job id it printed (its only stdout)."""
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "submit", str(src), "--wait", *args],
+    done = subprocess.run([sys.executable, "-m", "cli", "submit", str(src), "--wait", *args],
                           env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
@@ -129,7 +129,7 @@ def test_a_worker_stopped_while_its_engine_loads_exits_0(data_root, tmp_path, ti
     env = {**pipeline_env(data_root, db_url), "TEST_BUILD_RELEASE": str(release), "PYTHONPATH": str(REPO)}
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.held_build", "pipeline.cli", "worker", "--loglevel", "info",
+        proc = subprocess.Popen([sys.executable, "-m", "tests.held_build", "cli", "worker", "--loglevel", "info",
                                  "--model", str(tiny_model_dir), "--kv-cache-gib", "0.05", "--device", "cpu"],
                                 env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -165,7 +165,7 @@ def test_importing_the_app_sets_nothing_and_a_starting_worker_sets_its_allocator
     """workers.app used to set ARROW_DEFAULT_MEMORY_POOL (and the malloc arenas) when imported,
     in every producer too; a worker makes them as it starts, before its task modules import
     pyarrow (Celery's own start-up: loader.import_default_modules, as `celery -A workers.app
-    worker` runs it; `pipeline worker` makes them in pipeline.cli.main)."""
+    worker` runs it; `pipeline worker` makes them in cli.main)."""
     code = ("import os, workers.app\n"
             "print(os.environ.get('ARROW_DEFAULT_MEMORY_POOL'))\n"
             "workers.app.app.loader.import_default_modules()\n"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline import kernels
+from pipeline.kernels import cpu_kernels
 from pipeline.layers.attention.cpu_paged import (AttentionMetadata, DecodeLayout, PrefillChunk, cache_rows, paged_attention,
                                 write_kv)
 from pipeline.layers.attention import AttentionBackend, HostToDevice, LayerCache, StepLayout
@@ -57,9 +57,9 @@ class CpuBackend(AttentionBackend):
                                  prefills=prefills)
 
     def rotary_write_kv(self, qkv, rotation, meta, cache: LayerCache, num_heads, num_kv_heads) -> bool:
-        if not (kernels.can_write_kv(qkv, cache.k) and kernels.serves(rotation.cos)):
+        if not (cpu_kernels.can_write_kv(qkv, cache.k) and cpu_kernels.serves(rotation.cos)):
             return False
-        kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, cache.k, cache.v,
+        cpu_kernels.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.cache_rows, cache.k, cache.v,
                                 num_heads, num_kv_heads, cache.k_scale, cache.v_scale)
         return True
 

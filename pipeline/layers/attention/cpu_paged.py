@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline import kernels
-from pipeline.layers.kv_quant import dequantize, write_kv_int8
+from pipeline.kernels import cpu_kernels
+from pipeline.layers.quantization.int8_kv_cache import dequantize, write_kv_int8
 
 
 @dataclass(slots=True)
@@ -182,8 +182,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      layout: DecodeLayout, scale: float, out: torch.Tensor,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """One query token per sequence against its own blocks, into out. q, out: [seqs, heads, head_dim]."""
-    if kernels.can_run_paged_decode_attention(q, k_cache):
-        kernels.paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
+    if cpu_kernels.can_run_paged_decode_attention(q, k_cache):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, layout.block_tables, layout.context_lens,
                                        scale, out=out, k_scales=k_scale, v_scales=v_scale)
     else:
         out.copy_(decode_attention_torch(q, k_cache, v_cache, layout, scale, k_scale, v_scale))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline import kernels
+from pipeline.kernels import cuda_kernels
 from pipeline.layers.attention import AttentionBackend, HostToDevice, LayerCache, StepLayout
 from pipeline.layers.attention.flash_entry import causal_window, installed_varlen_attn
 
@@ -65,7 +65,7 @@ class ReferenceVarlenBackend(AttentionBackend):
     def rotary_write_kv(self, qkv, rotation, meta: VarlenMetadata, cache: LayerCache, num_heads, num_kv_heads) -> bool:
         """On CUDA, the fused Triton kernel (kernels/pointwise_triton.py): q and k rotated in
         place, k and v stored at their slots, in one launch instead of five."""
-        fused = kernels.triton_pointwise(qkv, cache.k)
+        fused = cuda_kernels.triton_pointwise(qkv, cache.k)
         if fused is None or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             return False
         fused.rotary_write_kv(qkv, rotation.cos, rotation.sin, meta.slot_mapping, cache.k, cache.v, num_heads,

@@ -1,0 +1,4 @@
+"""`python -m cli`."""
+from cli import main
+
+main()

@@ -1,0 +1,396 @@
+"""Commands that make or end jobs: submit, run, retry, resume, cancel."""
+from __future__ import annotations
+
+import shlex
+import time
+
+import click
+
+from jobs.scheduling import PRIORITIES
+from jobs.settings import Settings
+from jobs.ledger.statuses import SUBMITTER, JobStatus, ShardStatus
+from cli import render
+from cli.errors import (
+    EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail,
+)
+from cli.dry_run import report_dry_run
+from cli.options import FiniteFloat, engine_options, settings_options
+from cli.running import run_here, wait_until_completed
+
+
+# FILE may be "-": standard input, read once into the job's own copy.
+INPUT_FILE = click.Path(exists=True, dir_okay=False, allow_dash=True)
+CAPACITY_POLL_S = 2.0
+MAX_TIMEOUT_S = 30 * 86400.0   # a request timeout longer than the longest completion window means none
+
+
+def _check_window(ctx, param, value):
+    from jobs.scheduling import parse_window
+
+    if value is not None:
+        try:
+            parse_window(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+PRIORITY = click.option("--priority", type=click.Choice(PRIORITIES),
+                        help="Workers take higher-priority jobs' shards first (at their next shard "
+                             "boundary); within a priority, first in first out.  [default: normal]")
+COMPLETION_WINDOW = click.option(
+    "--completion-window", callback=_check_window, metavar="WINDOW",
+    help="Time the job has, e.g. 24h, 8h, 30m, 20s: once it passes, shards not started never run, "
+         "running ones stop at their next step, the job ends `expired`, and every request left "
+         "without an answer gets an error row (code batch_expired) that `pipeline retry` runs again.")
+
+
+REQUEST_TIMEOUT = click.option(
+    "--request-timeout", type=FiniteFloat(min=0, min_open=True, max=MAX_TIMEOUT_S), metavar="SECONDS",
+    help="A request still running this long after it started ends with finish_reason timeout (an "
+         "error row keeping its partial text; its KV blocks are freed). A line's own timeout_s wins.  "
+         "[default: none]")
+
+
+SERVED_MODEL_NAME = click.option(
+    "--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+    help="A name the lines' body.model may use for the job's model (repeatable: aliases), e.g. "
+         "gpt-4o-mini, so that an OpenAI batch file runs unchanged; the output lines report the name "
+         "each line used.  [default: the model as given, or its directory's name]")
+
+
+NO_REUSE = click.option(
+    "--no-reuse", is_flag=True,
+    help="Compute every request, even those whose answer an earlier job already holds. By default a "
+         "deterministic request (greedy, seeded or an embedding) on the same engine and model files is "
+         "answered from that job's results (the row's reused_from names it).")
+
+
+DRY_RUN = click.option(
+    "--dry-run", is_flag=True,
+    help="Create nothing: validate and tokenize FILE, then say what the job would do: its lines, prompt "
+         "tokens (in all, at most), lines too long for the model, requests an earlier job would answer, "
+         "the output-token ceiling (max_tokens over every choice) and a duration estimated from the "
+         "recent jobs of the same engine (or that there is no history). Exit 2 for a bad file.")
+JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-run: one JSON object.")
+
+
+@click.command("submit")
+@click.argument("file", type=INPUT_FILE)
+@engine_options
+@click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@PRIORITY
+@COMPLETION_WINDOW
+@REQUEST_TIMEOUT
+@click.option("--wait-for-capacity", is_flag=True,
+              help="When PIPELINE_MAX_QUEUED_REQUESTS would be passed, wait until there is room "
+                   "instead of refusing the job (exit 4).")
+@click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
+@SERVED_MODEL_NAME
+@NO_REUSE
+@DRY_RUN
+@JSON_OUTPUT
+@settings_options("broker_url", "max_queued_requests")
+def submit_command(file, engine_options, shard_size, priority, completion_window, request_timeout,
+                   wait_for_capacity, wait, served_model_names, no_reuse, dry_run, as_json, settings):
+    """Queue FILE as a job for the workers; prints only the job id on stdout.
+
+    FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    With PIPELINE_MAX_QUEUED_REQUESTS set, a job that would queue more requests than that
+    is refused (exit 4, nothing created) or, with --wait-for-capacity, waits for room.
+    """
+    if dry_run:
+        check_model(engine_options.get("model"))
+        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
+                              engine_here=False)
+    Session = sessions(settings)
+    scheduling = dict(priority=priority or "normal", completion_window=completion_window,
+                      request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
+                      queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse)
+    job = _submit(Session, settings, lambda: _create_job(Session, settings, file, engine_options, shard_size,
+                                                         scheduling, wait_for_capacity=wait_for_capacity))
+    click.echo(job.id)
+    if wait:
+        wait_until_completed(Session, job.id)
+
+
+@click.command("run")
+@click.argument("file", type=INPUT_FILE)
+@engine_options
+@click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@REQUEST_TIMEOUT
+@SERVED_MODEL_NAME
+@NO_REUSE
+@DRY_RUN
+@JSON_OUTPUT
+@settings_options("shards_in_flight", "metrics_port")
+def run_command(file, engine_options, shard_size, request_timeout, served_model_names, no_reuse, dry_run, as_json,
+                settings):
+    """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
+
+    FILE is a regular file, or - to read standard input (once, into the job's own copy).
+    Ctrl-C or SIGTERM stops it at the next engine step: what finished is kept, the job is
+    cancelled (`pipeline retry JOB --local` runs the rest); a job whose process died
+    (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
+    """
+    if dry_run:
+        check_model(engine_options.get("model"))
+        return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
+                              engine_here=True)
+    serve_metrics(settings)
+    Session = sessions(settings)
+    job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
+                                dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names),
+                                     reuse=not no_reuse))
+    click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
+    run_here(Session, settings, job_id, engine_options)
+
+
+@click.command("retry")
+@click.argument("job_id")
+@click.option("--only-failed", is_flag=True, help="Only the requests that failed (finish_reason error or timeout), "
+                                                  "not the cancelled or never run ones.")
+@click.option("--local", is_flag=True, help="Run the new job here, like `pipeline run`, instead of queueing it.")
+@click.option("--shard-size", type=click.IntRange(min=1), help="[default: the old job's]")
+@PRIORITY
+@COMPLETION_WINDOW
+@click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
+@settings_options("broker_url", "shards_in_flight")
+def retry_command(job_id, only_failed, local, shard_size, priority, completion_window, wait, settings):
+    """Run the requests of an ended job that have no answer again, as a new job.
+
+    Those are the failed ones (finish_reason error or timeout), the cancelled ones and the
+    ones that never ran (a cancelled or interrupted job). A request answered in JOB is never
+    run again, nor one an earlier retry of JOB took already (retry that job instead). The
+    new job has the same request ids, parameters, model and engine options, and metadata
+    {"retry_of": JOB}; its id is printed on stdout. Exit 1 if nothing is left to retry.
+    Its priority, request timeout and completion window are JOB's (the window counted
+    from now) unless --priority or --completion-window say otherwise.
+    """
+    from jobs import ledger
+    from jobs.submission import NothingToRetry, create_retry_job
+
+    check_job_id(job_id)
+    if local:
+        serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
+    Session = sessions(settings)
+    with Session() as s:
+        get_job(s, job_id)
+
+    def create():
+        try:
+            return create_retry_job(Session, settings.data_dir, job_id, shard_size=shard_size,
+                                    only_failed=only_failed, priority=priority,
+                                    completion_window=completion_window, queue=None if local else settings.queue)
+        except NothingToRetry as e:
+            raise Fail(str(e), EXIT_JOB_NOT_COMPLETED) from None
+        except ValueError as e:
+            raise Fail(str(e), EXIT_USAGE) from None
+
+    if local:
+        new_id, sizes = create()
+        click.echo(new_id)
+        with Session() as s:
+            options = ledger.get_job(s, new_id).engine_options
+        click.echo(f"job {new_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
+        run_here(Session, settings, new_id, options)
+        return
+    new_id = _submit(Session, settings, create).id
+    click.echo(new_id)
+    if wait:
+        wait_until_completed(Session, new_id)
+
+
+@click.command("resume")
+@click.argument("job_id")
+@settings_options("shards_in_flight", "metrics_port")
+def resume_command(job_id, settings):
+    """Finish an unfinished job here, in place: same job id, no broker or worker needed.
+
+    For a job whose `pipeline run` died (SIGKILL, power loss) or whose workers are gone.
+    Committed shards are kept; shards queued, or running under an expired lease, run
+    here, leased and fenced as on a worker. A shard that a live worker holds is left to
+    it and waited for (taken over here if its lease expires). Ctrl-C or SIGTERM cancel
+    the job, as for `pipeline run`. Exit 0 once the job has completed (also if it had).
+    """
+    from jobs import ledger
+
+    check_job_id(job_id)
+    serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
+    Session = sessions(settings)
+    with Session() as s:
+        job = get_job(s, job_id)
+    if job.status == JobStatus.COMPLETED:
+        click.echo(f"job {job_id} has already completed: nothing to resume", err=True)
+        render.print_summary(job)
+        return
+    if job.status in JobStatus.terminal():
+        raise Fail(f"job {job_id} is {job.status}: nothing to resume; `pipeline retry {job_id} --local` runs "
+                   "its requests without an answer as a new job", EXIT_JOB_NOT_COMPLETED)
+    with Session() as s:
+        done = sum(sh.status in ShardStatus.terminal() for sh in ledger.get_shards(s, job_id))
+    click.echo(f"job {job_id}: resuming here, {done} of {job.num_shards} shard(s) already done "
+               f"({job.completed_requests + job.failed_requests} of {job.total_requests} requests)", err=True)
+    run_here(Session, settings, job_id, job.engine_options)
+
+
+@click.command("cancel")
+@click.argument("job_id")
+@settings_options()
+def cancel_command(job_id, settings):
+    """Cancel a job: queued shards are dropped, running ones stop at their next step."""
+    from workers.submit import NotCancellable, cancel
+
+    check_job_id(job_id)
+    Session = sessions(settings)
+    with Session() as s:
+        job = get_job(s, job_id)
+    try:
+        job = cancel(Session, settings.data_dir, job)
+    except NotCancellable as e:
+        raise Fail(str(e)) from None
+    click.echo(f"job {job_id}: {job.status}")
+
+
+# --- shared by the commands ------------------------------------------------------------------
+
+def sessions(settings: Settings):
+    """A ledger session factory, the schema brought up to date first."""
+    from jobs import ledger
+    return ledger.open_sessions(settings.database_url)
+
+
+def check_job_id(job_id: str) -> str:
+    """A malformed job id is a usage error, before it gets near the ledger or a path."""
+    from jobs.paths import check_job_id as check
+
+    try:
+        return check(job_id)
+    except ValueError as e:
+        raise Fail(str(e), EXIT_USAGE) from None
+
+
+def get_job(s, job_id: str):
+    from jobs import ledger
+
+    check_job_id(job_id)
+    job = ledger.get_job(s, job_id)
+    if job is None:
+        raise Fail(f"unknown job {job_id!r} (see `pipeline list`)", EXIT_USAGE)
+    return job
+
+
+def serve_metrics(settings: Settings) -> None:
+    """The Prometheus endpoint on settings.metrics_port, if set, for as long as this process runs."""
+    if not settings.metrics_port:
+        return
+    from workers import metrics
+
+    try:
+        metrics.serve(settings.metrics_port)
+    except OSError as e:
+        raise Fail(f"cannot serve metrics on port {settings.metrics_port}: {e}", EXIT_USAGE) from None
+
+
+def check_model(model: str | None) -> None:
+    """A model that is not the bundled one must be a loadable local directory: refused here
+    (exit 2, nothing created) rather than failing on every worker."""
+    from pipeline.models.model_dir import check_model_dir, is_bundled
+
+    if not is_bundled(model):
+        try:
+            check_model_dir(model)
+        except ValueError as e:
+            raise Fail(str(e), EXIT_USAGE) from None
+
+
+def check_broker(settings: Settings) -> None:
+    from workers.broker import BrokerUnavailable, check_broker as check
+
+    try:
+        check(settings.broker_url)
+    except BrokerUnavailable as e:
+        raise Fail(str(e), EXIT_BROKER) from None
+
+
+def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int,
+                scheduling: dict | None = None, wait_for_capacity: bool = False):
+    from jobs.input.line_checks import InvalidInput
+    from jobs.submission import OverCapacity, create_job_from_file, create_job_from_stream
+    from pipeline.models.bundled import BUNDLED_NAME
+
+    check_model(engine_options.get("model"))
+    options = dict(model=engine_options.get("model") or BUNDLED_NAME, engine_options=engine_options,
+                   shard_size=shard_size, **(scheduling or {}))
+    try:
+        if file == "-":
+            with click.open_file("-", "rb") as stdin:
+                return create_job_from_stream(Session, settings.data_dir, stdin, **options)
+        said = False
+        while True:
+            try:
+                return create_job_from_file(Session, settings.data_dir, file, **options)
+            except OverCapacity as e:
+                if not wait_for_capacity:
+                    raise
+                if not said:
+                    click.echo(f"waiting for capacity: {e}", err=True)
+                    said = True
+                time.sleep(CAPACITY_POLL_S)
+    except OverCapacity as e:
+        raise Fail(f"job refused, nothing was created: {e}; submit it later, or with --wait-for-capacity",
+                   EXIT_OVER_CAPACITY) from None
+    except InvalidInput as e:
+        name = "standard input" if file == "-" else file
+        raise Fail(e.validation.describe(name, "nothing was submitted"), EXIT_USAGE) from None
+
+
+def _submit(Session, settings: Settings, create):
+    """Queue the job `create()` makes (workers.submit, shared with `pipeline serve`); warn
+    when no live worker serves its engine."""
+    from workers.broker import BrokerUnavailable
+    from workers.submit import EnqueueFailed, submit
+
+    try:
+        job = submit(settings, Session, create)
+    except (BrokerUnavailable, EnqueueFailed) as e:   # before anything was made, or the job failed at once
+        raise Fail(str(e), EXIT_BROKER) from None
+    if job.reuse and job.completed_requests:   # some shard committed already: by the submit, or a quick worker
+        from jobs import ledger
+
+        with Session() as s:
+            answered = sum(sh.num_requests for sh in ledger.get_shards(s, job.id, ShardStatus.COMPLETED)
+                           if sh.worker == SUBMITTER)
+        whole = " (all of it: the job is completed)" if job.status == JobStatus.COMPLETED else ""
+        if answered:
+            click.echo(f"{answered} of {job.total_requests} request(s) answered at submit from earlier jobs{whole}",
+                       err=True)
+    if waiting_for_worker(settings, job) is True:
+        click.echo(f"warning: no live worker serves engine {job.engine_key} (model {job.model}): the job's "
+                   f"shards wait in queue {settings.queue_for(job.engine_key, job.queue)} until one starts, e.g.\n"
+                   f"  {worker_command_for(job.engine_options)}", err=True)
+    return job
+
+
+def waiting_for_worker(settings: Settings, job) -> bool | None:
+    """Whether a job that has not ended waits for a worker of its engine: no live worker
+    serves its key (None: the broker cannot tell, or the job ended)."""
+    from workers.broker import live_workers
+
+    if job.status in JobStatus.terminal() or not job.engine_key:
+        return None
+    try:
+        return not live_workers(settings, job.engine_key)
+    except Exception:
+        return None
+
+
+def worker_command_for(engine_options: dict) -> str:
+    """The command that starts a worker for a job's engine (its options that pick the engine)."""
+    from pipeline.engine_key import WORKER_FIELDS
+
+    words = ["pipeline", "worker"]
+    for name, value in engine_options.items():
+        if name not in WORKER_FIELDS and value is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    return " ".join(shlex.quote(w) for w in words)

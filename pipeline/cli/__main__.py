@@ -1,4 +1,0 @@
-"""`python -m pipeline.cli`."""
-from pipeline.cli import main
-
-main()
