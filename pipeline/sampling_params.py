@@ -12,6 +12,11 @@ class SamplingParams:
 
     top_k <= 0, top_p == 1 and min_p == 0 disable those filters. A seed makes sampling
     reproducible whatever else shares the batch (each request has its own generator).
+
+    This is the one declaration of the sampling settings: a job's requests take these fields
+    by name, with their defaults (all but the engine's own, stop_token_ids and prompt_logprobs).
+    A new option is a field here with its check below, its input check where jobs read it, and
+    the sampler's code.
     """
     max_tokens: int = 256
     temperature: float = 1.0

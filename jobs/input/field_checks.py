@@ -8,7 +8,6 @@ Each check raises Bad with the message the user reads for that line.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, fields
 from typing import Annotated
@@ -228,35 +227,6 @@ def storable(name: str, s: str) -> None:
     if "\x00" in s:
         raise Bad(f"{name} contains a NUL character (\\u0000), which the job ledger cannot store")
     encodable(name, s)
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not allowed (numbers must be finite)")
-
-
-def _object(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object, refusing a key given twice (a plain dict would keep the last silently)."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the key {duplicate!r} appears twice in one object")
-    return obj
-
-
-DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_object)
-
-
-def too_deep(value, limit: int) -> bool:
-    """Whether containers nest more than `limit` levels; iterative, so deep input cannot recurse."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return False
 
 
 def describe(v) -> str:

@@ -1,9 +1,13 @@
-"""Reading an input file: regular files only, and its lines bounded in length, streamed."""
+"""Reading an input file: regular files only, within the size limit, and its lines bounded in
+length, streamed."""
 from __future__ import annotations
 
 import os
 import stat
 from typing import BinaryIO, Iterator
+
+from jobs.atomic_files import describe_file_type
+from jobs.input.validation import LineError, Limits
 
 _SKIP_CHUNK = 1 << 20
 
@@ -25,6 +29,18 @@ def open_regular_file(path) -> tuple[BinaryIO | None, os.stat_result]:
         return None, opened
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb"), opened
+
+
+def open_input(path, limits: Limits) -> tuple[BinaryIO | None, LineError | None]:
+    """The input file opened for reading, or the file-level problem that refuses it."""
+    f, st = open_regular_file(path)
+    if f is None:
+        return None, LineError(None, f"the input is {describe_file_type(st)}, not a regular file; give a file "
+                                     "(or - to read standard input once)")
+    if st.st_size > limits.max_file_bytes:
+        f.close()
+        return None, LineError(None, f"the input file is {st.st_size} bytes; the limit is {limits.max_file_bytes} bytes")
+    return f, None
 
 
 def read_lines(f: BinaryIO, max_bytes: int, first_line: int = 1, end: int | None = None,

@@ -27,7 +27,8 @@ from pathlib import Path
 from jobs.atomic_files import replace_durably, sync_directory
 from jobs.paths import input_shard_name
 from jobs.input.shard_files import check_shard_size, shard_line, write_shards
-from jobs.input.line_checks import Scan, _Reader, claimed_ids, open_input
+from jobs.input.file_reading import open_input
+from jobs.input.line_checks import Scan, _Reader, claimed_ids
 from jobs.input.validation import InvalidInput, Limits, RangeOutcome, Validation, complete
 
 MIN_RANGE_BYTES = 16 * 1024**2   # below this a child process costs more than it saves

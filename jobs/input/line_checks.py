@@ -7,8 +7,8 @@ keeps a digest of each id seen (jobs.input.unique_ids), and it reports every bad
 1-based line number; the file's outcome is a jobs.input.validation.Validation. Each valid request
 becomes its shard-file line of docs/contracts.md, a dict (jobs.input.request_spec.request_line;
 RequestSpec.from_dict makes the request of it; jobs.input.shard_files writes them). The
-checks of single fields are in jobs.input.field_checks (and answer_fields, embedding_fields);
-reading the file itself in jobs.input.file_reading.
+checks of single fields are in jobs.input.field_checks (and answer_shape_checks, embedding_checks,
+prompt_checks); reading the file itself in jobs.input.file_reading, a line's JSON in jobs.input.strict_json.
 
 A job runs one model: an OpenAI line whose body names another model than the job's is
 refused (the job's model as given, or its directory's name, e.g. "Qwen2.5-0.5B-Instruct"
@@ -17,7 +17,6 @@ gpt-4o-mini`, exactly those). Pass those names as `model`, a tuple, instead of t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -25,25 +24,23 @@ from jobs.input.answer_shape_checks import CHAT_FORCED_CALL, echo_setting, force
 from jobs.input.embedding_checks import (
     OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
 )
-from jobs.atomic_files import describe_file_type
 from jobs.input.prompt_checks import request_inputs
-from jobs.input.file_reading import open_regular_file, read_lines
+from jobs.input.file_reading import open_input, open_regular_file, read_lines
 from jobs.input.field_checks import (
-    CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, DECODER, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
+    CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
     STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, storable, string,
-    too_deep,
 )
 from jobs.input.plain_lines import PlainLines
-from jobs.input.request_spec import RequestSpec, request_line   # RequestSpec re-exported: the type of a shard line
+from jobs.input.request_spec import OPTIONAL_FIELDS, RequestSpec, request_line   # RequestSpec re-exported: a shard line's type
 from jobs.input.responses_body import FORCED_CALL as RESPONSES_FORCED_CALL
 from jobs.input.responses_body import responses_body
+from jobs.input.strict_json import parse_line
 from jobs.input.unique_ids import IdLog
 from jobs.input.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete   # re-exported
 
 __all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Validation", "iter_lines",
            "open_regular_file", "validate"]
 
-_BOM = b"\xef\xbb\xbf"
 _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
@@ -65,18 +62,6 @@ def iter_lines(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] 
         return
     for number, item in _Reader(limits, model).read(f):
         yield number, item if isinstance(item, LineError) else RequestSpec.from_dict(item)
-
-
-def open_input(path, limits: Limits) -> tuple[BinaryIO | None, LineError | None]:
-    """The input file opened for reading, or the file-level problem that refuses it."""
-    f, st = open_regular_file(path)
-    if f is None:
-        return None, LineError(None, f"the input is {describe_file_type(st)}, not a regular file; give a file "
-                                     "(or - to read standard input once)")
-    if st.st_size > limits.max_file_bytes:
-        f.close()
-        return None, LineError(None, f"the input file is {st.st_size} bytes; the limit is {limits.max_file_bytes} bytes")
-    return f, None
 
 
 class Scan:
@@ -136,7 +121,7 @@ def claimed_ids(path, lines, start: RangeOutcome, limits: Limits) -> dict[int, s
         raise OSError(f"{path} can no longer be read: {problem}")
     for number, raw in read_lines(f, limits.max_line_bytes):
         if number in wanted:
-            found[number] = reader.claimed_id(number, reader._parse(number, raw))
+            found[number] = reader.claimed_id(number, parse_line(number, raw, limits.max_depth))
     return found
 
 
@@ -194,7 +179,7 @@ class _Reader:
                 yield number, LineError(number, str(e))
 
     def _request(self, number: int, raw: bytes) -> dict:
-        obj = self._parse(number, raw)
+        obj = parse_line(number, raw, self.limits.max_depth)
         fmt = "pipeline" if _OPENAI_KEYS.isdisjoint(obj) else "openai"
         if self.input_format is None:
             self.input_format, self.format_line = fmt, number
@@ -297,32 +282,6 @@ class _Reader:
                 problems.append(f"model {model!r} is not a name of the job's model (served as "
                                 f"{', '.join(map(repr, self.model_names))}; --served-model-name adds names)")
 
-    def _parse(self, number: int, raw: bytes) -> dict:
-        if number == 1 and raw.startswith(_BOM):
-            raw = raw[len(_BOM):]
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise Bad(f"the line is not valid UTF-8 (bad byte at offset {e.start})") from None
-        try:
-            obj = DECODER.decode(text)
-        except RecursionError:
-            raise Bad(f"the JSON is nested too deeply (the limit is {self.limits.max_depth} levels)") from None
-        except json.JSONDecodeError as e:
-            if "\r" in text:
-                raise Bad("invalid JSON: the line holds a carriage return (\\r) not followed by a newline; the "
-                          "file's lines seem to end with CR alone (old Mac style): end them with \\n or \\r\\n") from None
-            raise Bad(f"invalid JSON: {e.msg} at column {e.colno}") from None
-        except ValueError as e:  # NaN/Infinity, or an integer with too many digits
-            raise Bad(f"invalid JSON: {e}") from None
-        # Bracket count bounds the depth: the full walk is only needed for bracket-heavy lines.
-        brackets = raw.count(b"[") + raw.count(b"{")
-        if brackets > self.limits.max_depth and too_deep(obj, self.limits.max_depth):
-            raise Bad(f"the JSON is nested too deeply (the limit is {self.limits.max_depth} levels)")
-        if not isinstance(obj, dict):
-            raise Bad(f"expected a JSON object (one request), got {describe(obj)}")
-        return obj
-
     def _pipeline(self, number: int, obj: dict, problems: list[str]):
         embedding = "input" in obj
         self._same_kind(number, EMBEDDINGS_ENDPOINT if embedding else None, problems)
@@ -408,10 +367,10 @@ class _Reader:
 
 
 _EMBEDDING = object()   # the labels of an embedding line: _request sends it to _embedding
-# An embedding request samples nothing: its shard line keeps the defaults of RequestSpec's
-# required sampling fields (stop is given afresh per request), so it reads like any other.
-_EMBEDDING_SAMPLING = {k: SAMPLING_DEFAULTS[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                                         "repetition_penalty", "seed", "ignore_eos")}
+# An embedding request samples nothing: its shard line keeps the defaults of the sampling
+# settings every line carries (stop is given afresh per request), so it reads like any other.
+_EMBEDDING_SAMPLING = {name: default for name, default in SAMPLING_DEFAULTS.items()
+                       if name not in OPTIONAL_FIELDS and name != "stop"}
 
 
 def _default_id(number: int) -> str:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 
-from jobs.input.field_checks import CHAT_ROLES, DECODER, Bad, check, describe, encodable, string, too_deep
+from jobs.input.field_checks import CHAT_ROLES, Bad, check, describe, encodable, string
+from jobs.input.strict_json import DECODER, too_deep
 from jobs.input.validation import Limits
 
 MAX_ITEMS = 2048             # prompts or embedding inputs in one request (OpenAI's limit of inputs)

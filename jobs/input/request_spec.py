@@ -1,36 +1,53 @@
-"""RequestSpec: one validated, normalised request, and its shard-file line (docs/contracts.md)."""
+"""RequestSpec: one validated, normalised request, and its shard-file line (docs/contracts.md).
+
+Its sampling settings are SamplingParams' own fields (pipeline.sampling_params, their one
+declaration), taken by name with their defaults: a new sampling option is a field there, its
+input check (jobs.input.field_checks.SAMPLING_CHECKS) and the sampler's code; RequestSpec, its
+shard line and the engine request made of it (workers.shard_runner) follow by themselves.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from operator import attrgetter
+
+from pipeline.sampling_params import SamplingParams
+
+# SamplingParams' fields that no input line gives: the engine's own (echo asks for prompt_logprobs).
+ENGINE_ONLY = frozenset({"stop_token_ids", "prompt_logprobs"})
+SAMPLING_FIELDS: tuple[Field, ...] = tuple(f for f in fields(SamplingParams) if f.name not in ENGINE_ONLY)
+# The settings every shard line has carried from the first, written whatever their value (they
+# are in the answer key of every line: jobs.reuse.answer_key); every other field with a default
+# only when it differs from it, so lines stay short and older ones read the same.
+ALWAYS_WRITTEN = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                  "ignore_eos")
+
+
+def _with_sampling_fields(cls):
+    """cls with SAMPLING_FIELDS (their types and defaults) among its fields, after `messages`,
+    for dataclass to make."""
+    own = list(cls.__annotations__.items())
+    at = [name for name, _ in own].index("messages") + 1
+    cls.__annotations__ = dict([*own[:at], *((f.name, f.type) for f in SAMPLING_FIELDS), *own[at:]])
+    for f in SAMPLING_FIELDS:
+        setattr(cls, f.name, field(default=f.default, default_factory=f.default_factory))
+    return cls
 
 
 @dataclass(slots=True)
+@_with_sampling_fields
 class RequestSpec:
     """One validated, normalised request (defaults filled in)."""
     id: str
     line: int
     prompt: str | None
     messages: list[dict] | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    seed: int | None
-    stop: list[str]
-    ignore_eos: bool
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None   # token id (a string, as in JSON) -> bias
+    # Here: SamplingParams' settings, SAMPLING_FIELDS (max_tokens, temperature, ..., logit_bias,
+    # structured_output, logprobs, n), with its defaults. logit_bias keeps its token ids as
+    # strings (JSON's); n is also an embedding request's number of inputs.
     model: str | None = None
     timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
-    structured_output: dict | None = None   # the grammar of the answer (pipeline.structured_output)
     tools: list[dict] | None = None          # a chat request's tools, for its chat template
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
-    logprobs: int | None = None              # top alternatives with each token's logprob (None: no logprobs)
-    n: int = 1                               # answers wanted (to each prompt), or an embedding request's inputs
     echo: bool = False                       # completions: the answer's text starts with the prompt
     # Completions given a list `prompt` (OpenAI's): its texts or token-id lists, n answers to
     # each, result row `choice` = i * n + j as OpenAI numbers them; prompt is None.
@@ -66,11 +83,10 @@ class RequestSpec:
 
 _SPEC_FIELDS = tuple(f.name for f in fields(RequestSpec))
 _values = attrgetter(*_SPEC_FIELDS)   # every field at once, in C
-# Written only when they differ from these defaults: shard lines stay short, and older ones read the same.
-OPTIONAL_FIELDS = {"model": None, "timeout_s": None, "structured_output": None, "tools": None, "tool_call": None,
-                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": None,
-                    "n": 1, "echo": False, "prompts": None, "input": None, "dimensions": None, "encoding_format": None,
-                    "key": None}
+# Written only when they differ from these defaults (every field with one, but ALWAYS_WRITTEN).
+OPTIONAL_FIELDS = {f.name: f.default if f.default_factory is MISSING else f.default_factory()
+                   for f in fields(RequestSpec)
+                   if (f.default is not MISSING or f.default_factory is not MISSING) and f.name not in ALWAYS_WRITTEN}
 
 
 def request_line(fields: dict, optional: tuple[tuple[str, object], ...] | None = None) -> dict:
