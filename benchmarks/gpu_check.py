@@ -112,7 +112,7 @@ class Run:
             prompts = [[rng.randrange(100, gpu_models.VOCAB) for _ in range(rng.randint(8, 40))] for _ in range(n)]
             engine = self.engine(device="cpu", dtype="float32")
             outs = greedy(engine, prompts, tokens, logprobs=2)
-            gaps = [min(e["top_logprobs"][0]["logprob"] - e["top_logprobs"][1]["logprob"] for e in o.logprobs)
+            gaps = [min(e.top[0].logprob - e.top[1].logprob for e in o.logprobs)
                     for o in outs]
             chosen = [i for i, gap in enumerate(gaps) if gap >= MARGIN][:keep]
             self._reference = dict(prompts=[prompts[i] for i in chosen], tokens=[outs[i].token_ids for i in chosen],
@@ -196,7 +196,7 @@ def check_numerics_float32(run: Run) -> None:
     engine = run.engine(device=run.device, dtype="float32", **options)
     outs = greedy(engine, ref["prompts"], len(ref["tokens"][0]), logprobs=2)
     got = [o.token_ids for o in outs]
-    drift = max(abs(a["logprob"] - b["logprob"]) for o, want in zip(outs, ref["logprobs"])
+    drift = max(abs(a.logprob - b.logprob) for o, want in zip(outs, ref["logprobs"])
                 for a, b in zip(o.logprobs, want))
     report("numerics_float32", "passed" if got == ref["tokens"] else "failed", device=run.device,
            backend=type(engine.attention_backend).__name__, prompts=len(got), tokens=sum(map(len, got)),

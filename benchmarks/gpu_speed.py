@@ -178,7 +178,7 @@ def check_refill(run) -> None:
 
 
 def check_overlap(run) -> None:
-    """Overlapped steps (engine.py) off and on, alternating A B A B on one engine: the same
+    """Overlapped steps (pipeline/engine/step_in_flight.py) off and on, alternating A B A B on one engine: the same
     greedy batch (every request the same length, so both modes run the same batches) must
     give the same tokens, and the output tok/s of each round shows what overlapping the
     host's work with the GPU's buys."""

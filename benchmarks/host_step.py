@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--stub-model", action="store_true",
                         help="precomputed forward, logits and draw: time the host's own work alone (greedy only)")
     parser.add_argument("--overlap-steps", action="store_true",
-                        help="overlapped steps, as on CUDA (engine.py): what their own bookkeeping adds")
+                        help="overlapped steps, as on CUDA (pipeline/engine/step_in_flight.py): what their own bookkeeping adds")
     args = parser.parse_args()
     if not args.glibc_defaults and not keep_freed_memory():
         raise SystemExit("glibc's mallopt refused (not glibc?): pass --glibc-defaults")

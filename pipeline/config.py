@@ -40,7 +40,7 @@ class EngineConfig:
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9
     # auto: the compute dtype. int8: keys and values quantized when written, with a float32
-    # scale per token and head (kv_quant.py): the same budget holds ~2x the blocks of bf16,
+    # scale per token and head (quantization/int8_kv_cache.py): the same budget holds ~2x the blocks of bf16,
     # ~3.8x of float32.
     kv_cache_dtype: str = "auto"
     # Tokens per KV-cache block; None: the attention backend's (16 for cpu, reference and
@@ -69,7 +69,7 @@ class EngineConfig:
     # Speculative decoding (speculative.py): "ngram" drafts up to num_speculative_tokens
     # tokens per step from the sequence's own prompt and output, verified in one pass.
     # Greedy output is identical to "none"; sampled output has the same distribution.
-    # 8: on a CPU, a step of 2-5 rows costs nearly what 9 do (README, Speed).
+    # 8: on a CPU, a step of 2-5 rows costs nearly what 9 do (docs/performance.md, speculative decoding).
     speculative: str = "none"
     num_speculative_tokens: int = 8
     # Attention over the paged cache (pipeline/layers/attention). auto: varlen
@@ -81,7 +81,7 @@ class EngineConfig:
     # (cuda_graphs.py; varlen and reference backends). Ignored on a CPU.
     cuda_graphs: bool = True
     # Launch each step before the host has read the step before it back, so that the host's
-    # scheduling and bookkeeping run beside the device's work (engine.py, "Overlapped steps").
+    # scheduling and bookkeeping run beside the device's work (pipeline/engine/step_in_flight.py).
     # None: on CUDA, off on a CPU (whose forward is the host's own work). Never with drafts.
     overlap_steps: bool | None = None
 

@@ -57,6 +57,19 @@ class Request:
             raise ValueError(f"request {self.id!r}: timeout_s must be > 0, got {self.timeout_s}")
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token and its logprob (RequestOutput.logprobs, prompt_logprobs): the token at a
+    position, with `top` its most likely alternatives there, most likely first (as many as
+    the request asked for, maybe none). text: the token decoded alone (only the engine has
+    the tokenizer; jobs.results makes OpenAI's entries from it). A prompt's first token has
+    neither logprob nor `top` (nothing comes before it); an alternative has no `top`."""
+    token_id: int
+    text: str
+    logprob: float | None
+    top: tuple[TokenLogprob, ...] | None = None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A finished request (one choice of it, when params.n > 1): stop or length, timeout (with its partial text; `error` says
@@ -84,11 +97,10 @@ class RequestOutput:
     # A structured-output request: whether its answer is complete under the grammar (a
     # stop string or max_tokens can cut it short); None for an unconstrained one.
     valid: bool | None = None
-    # params.logprobs: per output token {"token", "logprob", "bytes", "top_logprobs": [...]}, as
-    # OpenAI's chat logprobs (token texts as the tokenizer decodes each one alone); else None.
-    logprobs: list[dict] | None = None
-    # params.prompt_logprobs: an entry per prompt token, the first with logprob and top_logprobs None
-    prompt_logprobs: list[dict] | None = None
+    # params.logprobs: one per output token; else None.
+    logprobs: list[TokenLogprob] | None = None
+    # params.prompt_logprobs: one per prompt token, the first without logprob or alternatives; else None.
+    prompt_logprobs: list[TokenLogprob] | None = None
     # Which of the request's params.n answers this is (0 .. n - 1): each choice is its own output.
     choice: int = 0
     # An embedding request's vector (Request.pooling); None for generation.

@@ -12,7 +12,7 @@ and the metrics read that list.
 """
 from __future__ import annotations
 
-from pipeline.request import FinishReason, RequestOutput
+from pipeline.request import FinishReason, RequestOutput, TokenLogprob
 
 # (column, Arrow type): jobs.results.parquet_files makes the Parquet schema (RESULT_SCHEMA) from it (a
 # pyarrow type's name, "token_logprobs": OpenAI's list of token logprob entries, or
@@ -71,7 +71,7 @@ def from_output(out: RequestOutput, shard: int, attempt: int, spec=None, *, work
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": getattr(spec, "tool_call", None),
-            "model": getattr(spec, "model", None), "logprobs": _echoed(out) if echo is not None else out.logprobs,
+            "model": getattr(spec, "model", None), "logprobs": _logprobs_column(out, echo is not None),
             "embedding": out.embedding, "encoding_format": getattr(spec, "encoding_format", None),
             "prompt_index": prompt_index, **_lineage(spec), "engine": engine, "worker": worker, "reused_from": None}
 
@@ -88,10 +88,18 @@ def _lineage(spec) -> dict:
     return {"line": getattr(spec, "line", None), "request_key": getattr(spec, "key", None)}
 
 
-def _echoed(out: RequestOutput) -> list[dict] | None:
+def _logprobs_column(out: RequestOutput, echo: bool) -> list[dict] | None:
+    """The logprobs column: OpenAI's chat entries of the answer's tokens (with echo, the
+    prompt's before them; the first prompt token's logprob and top_logprobs null), the one
+    place they are made (jobs.results.openai_output reshapes them for each endpoint)."""
     if out.logprobs is None:
         return None
-    return [*(out.prompt_logprobs or ()), *out.logprobs]
+    scored = [*(out.prompt_logprobs or ()), *out.logprobs] if echo else out.logprobs
+    return [{**_entry(t), "top_logprobs": None if t.top is None else [_entry(alt) for alt in t.top]} for t in scored]
+
+
+def _entry(token: TokenLogprob) -> dict:
+    return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode("utf-8"))}
 
 
 def error_row(spec, error: str, shard: int, attempt: int, choice: int = 0) -> dict:

@@ -14,14 +14,14 @@ every token's keys and values are written before attention reads them. It gets l
 for all 1 + K rows.
 
 A sequence asking for prompt logprobs also gets the hidden states of its prompt chunk's
-rows (prompt_hidden), which `score_prompt_rows` turns into logprobs a few rows' logits at
-a time. An embedding sequence (Sequence.pooling) never samples: the pooler takes its
+rows (prompt_hidden), which `score_prompts` turns into logprobs a few rows' logits at a
+time. An embedding sequence (Sequence.pooling) never samples: the pooler takes its
 hidden states, and the step names those whose prompt is now complete (`pooled`).
 
 Decode-only steps on CUDA replay a captured CUDA graph when the backend allows it
 (cuda_graphs.py); every other step runs eagerly.
 
-Overlapped steps (engine.py): a decoding sequence whose newest token the previous step
+Overlapped steps (step_in_flight.py): a decoding sequence whose newest token the previous step
 sampled and the host has not read back holds PENDING_TOKEN there; `run` takes that step's
 sampled tokens, still on the device, and fills those input rows from them before the forward.
 """
@@ -119,6 +119,22 @@ class ModelRunner:
         return StepLogits(sampling, self.model.compute_logits(hidden[sample_rows]), prompt_hidden, spans, pooled)
 
     @torch.inference_mode()
+    def score_prompts(self, hidden: torch.Tensor, spans) -> None:
+        """Prompt logprobs of a step's prompt positions (their hidden states), on the device:
+        each span's flat tensor waits on its sequence until the sampler brings it back with the
+        step's one transfer (at the latest in the step that computes the prompt's last token)."""
+        targets = [t for seq, first, count in spans for t in seq.prompt_token_ids[first + 1:first + 1 + count]]
+        k = max(seq.prompt_logprobs.num_top for seq, _, _ in spans)
+        chosen, top_values, top_ids = self.score_prompt_rows(hidden, torch.tensor(targets, device=hidden.device), k)
+        at = 0
+        for seq, first, count in spans:
+            scored = seq.prompt_logprobs
+            rows, want = slice(at, at + count), scored.num_top
+            flat = torch.cat([chosen[rows], top_values[rows, :want].flatten(), top_ids[rows, :want].flatten()])
+            scored.pending.append((flat, targets[at:at + count]))
+            scored.next_position = first + count
+            at += count
+
     def score_prompt_rows(self, hidden: torch.Tensor, targets: torch.Tensor, k: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_logprobs of prompt rows (hidden [rows, hidden], the token each scores

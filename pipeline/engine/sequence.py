@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from enum import Enum, auto
 
 import numpy as np
 
+from pipeline.engine import clock
 from pipeline.engine.detokenizer import IncrementalDetokenizer
 from pipeline.request import FinishReason
 from pipeline.sampling_params import SamplingParams
 
-# Overlapped steps (engine.py): an output token sampled on the device and not read back yet.
+# Overlapped steps (step_in_flight.py): an output token sampled on the device and not read back yet.
 # Negative, so that a forward fed one by mistake fails at its embedding instead of running.
 PENDING_TOKEN = -1
 
@@ -68,7 +68,7 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.finish_reason: FinishReason | None = None
-        self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        self.arrival_time = arrival_time if arrival_time is not None else clock.now()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -91,7 +91,7 @@ class Sequence:
         self.pooling = pooling
         self.pooled = None
         self.reads_every_position = False   # its pooling needs every prompt position's hidden state
-        # Overlapped steps (engine.py): whether they may run it (nothing on the host reads its
+        # Overlapped steps (step_in_flight.py): whether they may run it (nothing on the host reads its
         # newest token before the next forward), how many PENDING_TOKENs end its output (1, or
         # 2 while the step after the one that sampled them is in flight), and the row of the
         # newest among its step's sampled tokens, which the next forward takes as its input.

@@ -12,7 +12,7 @@ that copy and its sum took 52 ms; the block sums take 3.5). Unseeded rows take
 their numbers from the sampler's generator in one call; a row with a seed takes its number
 from its own torch.Generator, so a seeded request gives the same text whatever else shares
 its batch. Which filters run is decided from the parameters on the host, never by reading
-a device tensor back. Overlapped steps (engine.py) call its two halves apart: `draw` (the
+a device tensor back. Overlapped steps (engine/step_in_flight.py) call its two halves apart: `draw` (the
 tokens, left on the device) and `with_logprobs` (the flat tensor to bring back, and its
 unpack), and bring the values back one step later.
 """
@@ -46,7 +46,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [len(seqs), vocab] float32 -> one token id per sequence."""
         tokens = self.draw(logits, seqs)
-        # Prompt logprobs computed in this or earlier steps (Engine._score_prompts), once per
+        # Prompt logprobs computed in this or earlier steps (ModelRunner.score_prompts), once per
         # request (the forks of an n > 1 request share them).
         prompts = list({id(s.prompt_logprobs): s.prompt_logprobs for s in seqs
                         if s.prompt_logprobs is not None and s.prompt_logprobs.pending}.values())
@@ -315,7 +315,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
 def _unpack_prompt_logprobs(scored, values: list[float], at: int) -> int:
     """Append the entries of scored's pending spans, read from values[at:]; returns where
     they end. A span's flat tensor holds its count logprobs, then count * num_top top
-    values, then as many top ids (Engine._score_prompts)."""
+    values, then as many top ids (ModelRunner.score_prompts)."""
     k = scored.num_top
     for _, targets in scored.pending:
         count = len(targets)

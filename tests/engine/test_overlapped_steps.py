@@ -1,4 +1,4 @@
-"""Overlapped steps (engine.py): each step launched before the one before it is read back.
+"""Overlapped steps (step_in_flight.py): each step launched before the one before it is read back.
 
 On a CPU the forward is the host's own work, so nothing runs side by side here; what these
 tests hold is that the pipelining changes nothing a request gets: the same greedy and
@@ -16,8 +16,7 @@ import pytest
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.engine.block_manager import block_hash
 from pipeline.engine.sequence import PENDING_TOKEN
-from engine_helpers import (BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled,
-                            step_past_a_timeout, stop_after)
+from engine_helpers import BIG_POOL, all_blocks_free, check_output, greedy, random_prompt, run, sampled, stop_after
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest
 
@@ -170,11 +169,14 @@ def test_choices_overlap_once_forked(tiny_model_dir):
     assert all_blocks_free(engine)
 
 
-def test_a_timeout_drops_the_token_in_flight(tiny_model_dir):
+def test_a_timeout_drops_the_token_in_flight(tiny_model_dir, engine_clock):
     timed = Request("timed", prompt_token_ids=[5, 6, 7], params=greedy(400, ignore_eos=True), timeout_s=0.2)
     engine = engine_for(tiny_model_dir, True, **BIG_POOL)
+    assert engine.add_request(timed) == []
     # three steps: two tokens read back and one in flight when the timeout retires it
-    out = step_past_a_timeout(engine, [timed], "timed", first_steps=3)["timed"]
+    assert engine.step() + engine.step() + engine.step() == []
+    engine_clock.advance(0.2)
+    (out,) = engine.step()
     assert out.finish_reason == "timeout" and out.output_tokens == 2
     assert PENDING_TOKEN not in out.token_ids and out.output_tokens == len(out.token_ids)
     assert out.text == engine.tokenizer.decode(out.token_ids)

@@ -22,7 +22,7 @@ from pipeline.engine.speculative import NgramProposer, Speculator
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
-    before = torch.get_num_threads()   # see test_engine.py: predictable on a shared machine
+    before = torch.get_num_threads()   # see tests/conftest.py: predictable on a shared machine
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)

@@ -1,21 +1,24 @@
 """Result Parquet files and the data-root layout (jobs.results.parquet_files, jobs.paths)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import duckdb
 import pyarrow.compute as pc
 import pytest
 
 from jobs import paths
-from jobs.results import parquet_files
+from jobs.results import parquet_files, result_row
 from jobs.paths import JobPaths, check_job_id, new_job_id
 from jobs.settings import Settings
 from jobs.results.parquet_files import (
     RESULT_SCHEMA, export_jsonl, iter_result_rows, read_results, write_shard_tmp,
 )
+from pipeline.request import FinishReason, RequestOutput, TokenLogprob
 
 JOB = "job_0123456789abcdef"
 
@@ -46,6 +49,30 @@ def test_round_trip_keeps_rows_and_schema(jp):
     expected = [{name: row.get(name) for name in RESULT_SCHEMA.names} for row in rows]
     assert table.to_pylist() == expected
     assert read_results(jp.results_dir, columns=["id"]).column_names == ["id"]
+
+
+def test_the_logprobs_column_holds_openais_chat_entries_of_the_engines_token_logprobs(jp):
+    """The engine gives token ids, texts and logprobs; the column holds OpenAI's chat entries of
+    them (the text's UTF-8 bytes too), the prompt's first with echo (no logprob, no alternatives)."""
+    no = TokenLogprob(2822, "No", -0.5, (TokenLogprob(2822, "No", -0.5), TokenLogprob(6568, "Yes", -1.0)))
+    out = RequestOutput(id="r", text="No", token_ids=[2822], finish_reason=FinishReason.STOP, error=None,
+                        prompt_tokens=2, output_tokens=1, queue_s=0.0, ttft_s=0.1, latency_s=0.2, logprobs=[no],
+                        prompt_logprobs=[TokenLogprob(1, "é", None), TokenLogprob(3, " a", -2.0, ())])
+    spec = SimpleNamespace(echo=False, prompt="éa", prompts=None, prompt_index=lambda choice: None, tool_call=None,
+                           model=None, encoding_format=None, line=1, key=None)
+    entry = {"token": "No", "logprob": -0.5, "bytes": [78, 111],
+             "top_logprobs": [{"token": "No", "logprob": -0.5, "bytes": [78, 111]},
+                              {"token": "Yes", "logprob": -1.0, "bytes": [89, 101, 115]}]}
+    row = result_row.from_output(out, 0, 1, spec)
+    assert row["logprobs"] == [entry]
+    echoed = result_row.from_output(out, 0, 1, SimpleNamespace(**{**vars(spec), "echo": True}))
+    assert echoed["output"] == "éaNo" and echoed["logprobs"] == [
+        {"token": "é", "logprob": None, "bytes": [195, 169], "top_logprobs": None},
+        {"token": " a", "logprob": -2.0, "bytes": [32, 97], "top_logprobs": []}, entry]
+    assert result_row.from_output(dataclasses.replace(out, logprobs=None), 0, 1, spec)["logprobs"] is None
+    commit(jp, 0, [row, {**echoed, "id": "e"}])
+    assert read_results(jp.results_dir, columns=["logprobs"])["logprobs"].to_pylist() == [
+        row["logprobs"], echoed["logprobs"]]
 
 
 def test_many_shards_are_read_in_groups_of_files_in_shard_order(jp, monkeypatch):

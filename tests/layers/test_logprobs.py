@@ -49,18 +49,20 @@ def test_logprobs_are_the_models_log_softmax_and_greedy_is_their_top_1(engine, h
     assert len(greedy.logprobs) == len(greedy.token_ids) == 8
     reference = reference_logprobs(hf_tiny, prompt_ids, greedy.token_ids)
     for position, (token, entry) in enumerate(zip(greedy.token_ids, greedy.logprobs)):
-        top = entry["top_logprobs"]
-        assert len(top) == 5 and top[0]["token"] == entry["token"] == engine.tokenizer.decode([token])
-        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        top = entry.top
+        assert entry.token_id == token and [t.token_id for t in top] == reference[position].topk(5).indices.tolist()
+        assert len(top) == 5 and top[0].text == entry.text == engine.tokenizer.decode([token])
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
         # float32 on both sides, the same weights: within 1e-4 (seen: equal)
-        assert entry["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-4)
+        assert entry.logprob == pytest.approx(reference[position, token].item(), abs=1e-4)
         want = reference[position].topk(5)
-        assert [t["logprob"] for t in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert [t.logprob for t in top] == pytest.approx(want.values.tolist(), abs=1e-4)
     sampled = outs["sampled"]
     reference = reference_logprobs(hf_tiny, prompt_ids, sampled.token_ids)
-    assert [e["logprob"] for e in sampled.logprobs] == pytest.approx(
+    assert [e.logprob for e in sampled.logprobs] == pytest.approx(
         [reference[i, t].item() for i, t in enumerate(sampled.token_ids)], abs=1e-4)
-    assert all(e["top_logprobs"] == [] for e in sampled.logprobs)
+    assert [e.token_id for e in sampled.logprobs] == sampled.token_ids
+    assert all(e.top == () for e in sampled.logprobs)
     assert outs["none"].logprobs is None and outs["none"].token_ids == greedy.token_ids
 
 
@@ -130,12 +132,13 @@ def test_prompt_logprobs_are_the_models_log_softmax_however_the_prompt_is_chunke
     reference = prompt_reference(hf_tiny, prompt_ids)
     entries = outs["p", 0].prompt_logprobs
     assert outs["p", 0].cached_tokens == 0   # computed, not taken from the cache: its logits are needed
-    assert len(entries) == len(prompt_ids) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
-    assert [e["token"] for e in entries] == [engine.tokenizer.decode([t]) for t in prompt_ids]
+    assert len(entries) == len(prompt_ids) and entries[0].logprob is None and entries[0].top is None
+    assert [e.token_id for e in entries] == prompt_ids
+    assert [e.text for e in entries] == [engine.tokenizer.decode([t]) for t in prompt_ids]
     for position, entry in enumerate(entries[1:]):
         token = prompt_ids[position + 1]
-        assert entry["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-4)
-        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+        assert entry.logprob == pytest.approx(reference[position, token].item(), abs=1e-4)
+        assert [t.logprob for t in entry.top] == pytest.approx(
             reference[position].topk(3).values.tolist(), abs=1e-4)
     assert outs["p", 1].prompt_logprobs == entries   # the choices share one prompt
     assert outs["p", 0].token_ids == warm.token_ids

@@ -30,7 +30,7 @@ def prompt_logprobs(engine: Engine) -> torch.Tensor:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     out = run(engine, [Request("p", prompt_token_ids=PROMPT, params=params)])["p"]
     assert out.error is None
-    return torch.tensor([entry["logprob"] for entry in out.prompt_logprobs[1:]])
+    return torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]])
 
 
 def calibrate(engine: Engine) -> dict:
