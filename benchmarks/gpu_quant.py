@@ -7,7 +7,7 @@ CUDA), against that line's bf16 number.
 fp8 is expected to beat bf16 where the GPU has FP8 tensor cores (twice bf16's rate on
 Hopper): `throughput_fp8` passes at a ratio of 1.0 or more. The weight-only modes are made
 for memory (int4 tinygemm is made for few rows, w8a16 on CUDA casts its weight to bf16
-before cuBLAS: weight_quant.py says why); their lines are measured, and the kernel line
+before cuBLAS: weight_only.py says why); their lines are measured, and the kernel line
 says at which row counts each kernel beats bf16. On a CPU all of it runs small, for the
 code path (no targets).
 """
@@ -176,7 +176,7 @@ def _raising(error: Exception):
 
 def kernel_candidates(linear: nn.Linear, device: str, dtype: torch.dtype, modes: list[str]) -> dict:
     """name -> f(x) for one linear: bf16 (cuBLAS), each mode's module as the engine runs it,
-    and on CUDA the kernels weight_quant does not use, for the record: fp8's _scaled_mm
+    and on CUDA the kernels weight_only does not use, for the record: fp8's _scaled_mm
     alone (without quantizing the activations; row-wise with Fp8Linear's accumulation and
     the other, and with one scale per tensor) and fp8_matmul_triton's product alone (all row
     counts here are within its MAX_ROWS), `_weight_int8pack_mm` (its CUDA kernel),
@@ -313,7 +313,7 @@ def check_throughput(run) -> None:
         deadline = time.monotonic() + min(per_mode_s, left - 10)
         fused, product = cuda_kernels.triton_fp8_rows, wq.Fp8Linear.triton_product
         if name.endswith("pytorch_activation_quant"):
-            cuda_kernels.triton_fp8_rows = lambda x: None   # what weight_quant.Fp8Linear asks
+            cuda_kernels.triton_fp8_rows = lambda x: None   # what weight_only.Fp8Linear asks
         if name == flipped:
             wq.Fp8Linear.triton_product = not product
         try:

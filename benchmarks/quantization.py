@@ -15,7 +15,7 @@ uses its fresh keys and values, so a quantized cache would not show).
 With --linears it times each CPU int8 candidate against float32 on the bundled model's
 layer shapes (interleaved, the fastest of many rounds: the machine is shared) and prints
 one JSON line per shape and row count, with each candidate's error against float32.
-Prints one JSON line per mode; the README's table comes from this script.
+Prints one JSON line per mode; docs/performance.md's quantization table comes from this script.
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests")
     ap.add_argument("--n", type=int, default=16, help="requests of the workload to time")
-    ap.add_argument("--dtype", default="float32", help="compute dtype (the README's table: float32)")
+    ap.add_argument("--dtype", default="float32", help="compute dtype (docs/performance.md's table: float32)")
     ap.add_argument("--kv-cache", action="store_true", help="compare the KV-cache dtypes instead")
     ap.add_argument("--modes", help="comma-separated quantization modes to run (default: none unpacked and "
                                     "packed, int8, nf4, w8a8); the first is the agreement's reference")

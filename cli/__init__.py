@@ -63,7 +63,7 @@ def main():
     # Before any thread starts: the engine steps in a thread of its own (see host_memory).
     from pipeline.host_memory import use_one_malloc_arena
     use_one_malloc_arena()
-    from jobs.results.arrow_allocator import use_system_allocator   # before pyarrow is imported (see arrow_pool)
+    from jobs.results.arrow_allocator import use_system_allocator   # before pyarrow is imported (see arrow_allocator)
     use_system_allocator()
 
 

@@ -95,8 +95,8 @@ _ENGINE_OPTIONS = {
                               "activations on FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper). "
                               "w8a16: int8 weights (half of bf16's memory). w4a16: int4 weights in groups of 32 "
                               "(tinygemm; 5/16). All three quantize layer by layer while loading, so a model "
-                              "that fits only quantized loads; they run on a CPU too, slowly (README, "
-                              "Quantization)  [default: none]"),
+                              "that fits only quantized loads; they run on a CPU too, slowly "
+                              "(docs/quantization.md)  [default: none]"),
     "kv_cache_gib": dict(help="Memory budget of the KV cache  [default: 1 on a CPU; on CUDA what "
                               "--gpu-memory-utilization leaves once the model is loaded]"),
     "gpu_memory_utilization": dict(type=FiniteFloat(0, 1, min_open=True),

@@ -193,7 +193,7 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
     """Rotate q and k of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by cos/sin
     [tokens, head_dim/2] (float32) and store k and v at cache_rows [tokens * kv_heads] (int64)
     of the layer caches [blocks, kv_heads, block_size, head_dim] (qkv's dtype; or int8, then
-    quantized with their scales [blocks, kv_heads, block_size] float32, see kv_quant.py)."""
+    quantized with their scales [blocks, kv_heads, block_size] float32, see layers/quantization/int8_kv_cache.py)."""
     head_dim = k_cache.shape[-1]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and cos.shape == sin.shape
     assert cache_rows.dtype == torch.int64 and cache_rows.numel() == qkv.shape[0] * num_kv_heads

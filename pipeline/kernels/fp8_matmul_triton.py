@@ -1,6 +1,6 @@
 """fp8 linears' product for decode steps on CUDA, in Triton: y = (x8 @ w8^T) * x_scale * w_scale.
 
-weight_quant.Fp8Linear quantizes each token's activations to float8 e4m3 with a scale of its
+weight_only.Fp8Linear quantizes each token's activations to float8 e4m3 with a scale of its
 own and holds e4m3 weights with a scale per output channel; `torch._scaled_mm` with row-wise
 scales multiplies them. On an H200 (torch 2.11, benchmarks/gpu_check.py) cuBLAS chose 128 x
 128 tiles for a Llama-3.2-1B layer's products at 256 rows, so a q/k/v projection is 2 x 24

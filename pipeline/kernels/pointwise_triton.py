@@ -12,7 +12,7 @@ These cut them to three:
   index copies). The layout is the varlen backends' [blocks, block_size, kv_heads,
   head_dim]; rotary pairs are adjacent (RotaryEmbedding interleaves the checkpoint's rows).
 Each computes in float32 and rounds once per output, as the C kernels do.
-- quantize_fp8_rows: fp8 linears' activations, a scale per row (weight_quant.py), in one
+- quantize_fp8_rows: fp8 linears' activations, a scale per row (layers/quantization/weight_only.py), in one
   pass instead of eight PyTorch ops. It has a probe of its own (`fp8_usable`: bit-equal
   to the PyTorch formula), as only Ada and Hopper convert to float8.
 
@@ -96,7 +96,7 @@ def _quantize_fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x, out_col
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + c, mask=c < cols, other=0.0).to(tl.float32)   # zeros past cols: padding
-    # The same bits as PyTorch's: times the reciprocal for the scale (weight_quant says why), then
+    # The same bits as PyTorch's: times the reciprocal for the scale (weight_only.py says why), then
     # a correctly rounded division (a plain `/` is approximate in Triton).
     scale = tl.maximum(tl.max(tl.abs(x), 0), min_amax) * inv_fp8_max
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)

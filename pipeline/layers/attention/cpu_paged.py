@@ -14,7 +14,7 @@ hand-written kernel in pipeline/kernels reads the blocks in place instead, witho
 gathered copy. Every path keeps the softmax statistics in float32 and scales q before
 q.k (so float16 scores cannot overflow).
 
-An INT8 cache (kv_quant.py) comes with per-token scales [num_blocks, kv_heads, block_size]
+An INT8 cache (layers/quantization/int8_kv_cache.py) comes with per-token scales [num_blocks, kv_heads, block_size]
 (k_scale, v_scale); the C kernel reads the int8 blocks in place, the PyTorch paths
 dequantize each block they gather. Without them (None) the cache is in the compute dtype.
 """
