@@ -48,11 +48,13 @@ CACHED_PROMPT_TOKENS = Counter("pipeline_cached_prompt_tokens",
 DRAFT_TOKENS = Counter("pipeline_draft_tokens", "Speculative tokens drafted for the requests committed.", LABELS)
 ACCEPTED_TOKENS = Counter("pipeline_accepted_tokens",
                           "Speculative tokens of the requests committed that verification accepted.", LABELS)
-# One counter per summed result column (jobs.results.result_row.SUMMED_COLUMNS), added to per commit.
+# One counter per summed result column (jobs.results.result_row.SUMMED_COLUMNS), added to per commit:
+# those above under their own names, a newer column as pipeline_<column> (nothing to add here).
 TOKEN_COUNTERS = {"prompt_tokens": PROMPT_TOKENS, "output_tokens": GENERATED_TOKENS,
                   "cached_tokens": CACHED_PROMPT_TOKENS, "draft_tokens": DRAFT_TOKENS,
                   "accepted_tokens": ACCEPTED_TOKENS}
-assert set(TOKEN_COUNTERS) == set(SUMMED_COLUMNS), "a summed result column needs its counter here"
+TOKEN_COUNTERS.update({name: Counter(f"pipeline_{name}", f"{name} of the requests committed (a summed result "
+                                     "column).", LABELS) for name in SUMMED_COLUMNS if name not in TOKEN_COUNTERS})
 REQUESTS = Counter("pipeline_requests", "Requests committed, by finish reason.", (*LABELS, "finish_reason"))
 SHARDS = Counter("pipeline_shards", "Shard runs by outcome (committed ones: completed, cancelled, failed).",
                  ("worker", "outcome"))

@@ -6,9 +6,9 @@ prompts when it has a list: RequestSpec.num_rows), (id, choice) with choice 0 ..
 and every such pair is in a job's results exactly once. It is made here only: from the
 engine's RequestOutput, for a request that failed before or instead of running (an error, an
 expired window, a shard given up), or for one a cancel stopped. A new per-request figure is
-a field of RequestOutput and a column here; if it is summed, also a name in SUMMED_COLUMNS
-(plus its ledger columns and their migration): the shard commit, the job's counts, the stats
-and the metrics read that list.
+a field of RequestOutput (set where the engine's output processor makes it) and a column
+here; if it is summed, also a name in SUMMED_COLUMNS (plus its ledger columns and their
+migration): the shard commit, the job's counts, the stats and the metrics read that list.
 """
 from __future__ import annotations
 
