@@ -2,13 +2,13 @@
 invariant every fault-tolerance scenario checks (each (id, choice) once, exact counts)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -21,13 +21,13 @@ from jobs.paths import JobPaths
 from jobs.results.parquet_files import read_results
 from jobs.submission import create_job_from_file
 from pipeline.engine_key import engine_key
+from polling import WAIT_S, wait_until
 from worker_process import BROKER_URL, drop_queue
 import hold
 
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_S = 3
-WAIT_S = 150  # the longest any one wait may take before the test fails (a loaded 2-core box)
 FAST = {"kv_cache_gib": 0.05, "device": "cpu"}
 # The tiny test model's context (conftest.TINY_LLAMA). A test that must catch a worker
 # mid-shard holds it there (tests/hold.py) rather than count on a shard lasting long enough.
@@ -39,6 +39,28 @@ def long_rows(prefix: str, n: int, max_tokens: int = 1200) -> list[dict]:
     """Requests that keep the tiny model busy for a while (no early EOS)."""
     return [{"id": f"{prefix}{i:03d}", "prompt": f"Count {i}", "max_tokens": max_tokens, "ignore_eos": True}
             for i in range(n)]
+
+
+def quick_then_held(n_quick: int, n_held: int, max_tokens: int = 64) -> list[dict]:
+    """Quick requests first (the first shards, which load the engine), then requests that
+    tests/hold.py holds mid-generation ("held-000", ...: group "held") until the test has
+    acted, so they need not be long: nothing races."""
+    return long_rows("quick-", n_quick, 8) + long_rows("held-", n_held, max_tokens)
+
+
+def owner(shard, procs: list[subprocess.Popen]) -> subprocess.Popen | None:
+    """The worker process (a prefork pool's parent) that runs shard."""
+    pid = int(shard.worker.rsplit(":", 1)[1])
+    for proc in procs:
+        if proc.pid == pid or str(pid) in _children(proc.pid):
+            return proc
+    return None
+
+
+def _children(pid: int) -> list[str]:
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return []
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -169,13 +191,8 @@ class Cluster:
             return get_shards(s, job_id)
 
     def wait_for(self, what: str, predicate, timeout: float = WAIT_S, poll_s: float = 0.2):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(poll_s)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.all_logs()}")
+        """polling.wait_until, with this cluster's logs if it times out."""
+        return wait_until(what, predicate, timeout, poll_s, diagnostics=self.all_logs)
 
     def wait_until_ended(self, job_id: str, timeout: float = WAIT_S):
         return self.wait_for(f"job {job_id} to end", lambda: (job := self.job(job_id)).finished_at and job, timeout)

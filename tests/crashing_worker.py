@@ -13,6 +13,8 @@ import os
 from workers import tasks
 from workers.app import app  # noqa: F401  (what `celery -A` looks for)
 
+__all__ = ["app"]   # (so pyflakes, which ignores noqa, sees it used too)
+
 CRASH_PREFIX = "crash-"
 _real_use = tasks.engines().use
 

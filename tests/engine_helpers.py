@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 from pipeline import Engine, Request, RequestOutput, SamplingParams
 
@@ -55,20 +54,3 @@ def stop_after(checks: int):
         return calls > checks
 
     return should_stop
-
-
-def step_past_a_timeout(engine, requests: list[Request], timed_id: str, first_steps: int = 1) -> dict:
-    """Run requests step by step, waiting after the first steps (the first: the prefill)
-    until the clock is past timed_id's timeout: the state the next step acts on, reached on
-    any machine (a request raced against its timeout finished first on a fast one). Their
-    outputs by id."""
-    assert all(engine.add_request(request) == [] for request in requests)
-    outs = {}
-    for _ in range(first_steps):
-        outs.update((out.id, out) for out in engine.step())
-    timed = next(seq for seq in engine.scheduler.running if seq.request_id == timed_id)
-    while not timed.is_timed_out(time.perf_counter()):
-        time.sleep(0.01)
-    while engine.has_unfinished_requests:
-        outs.update((out.id, out) for out in engine.step())
-    return outs

@@ -8,10 +8,13 @@ without its last "-" part: "held-a1-003" is of "held-a1"; a request of another g
 a quick first shard, finishes first). Its whole batch waits there, so nothing it holds
 can finish before the test acts, however fast the CPU. The
 hold ends when that request's stream stops (its shard saw the cancel, the job's expiry,
-a lost lease or the worker's shutdown: the stop the test was racing for), when every
-running request of the group has a timeout_s and is past it (the next step retires them),
-or when the test releases the group (a file of the group's name in TEST_HOLD_DIR). Each
-group is held at most once per process. While held, the process says so on stderr:
+a lost lease or the worker's shutdown: the stop the test was racing for), or when the test
+releases the group (a file of the group's name in TEST_HOLD_DIR). A request of the prefix
+with a timeout_s cannot time out before its group is held (its timeout waits for the hold,
+however slow the machine); if every running request of the group has one, the hold then
+moves their clocks past it (move_past_timeout: the next step retires them, with no time to
+wait out, however fast). Each group is held at most once per process. While held, the
+process says so on stderr:
 
     held: held-003 after 4 tokens (group held)
 
@@ -58,6 +61,10 @@ class Hold:
         """In the engine's thread, after each step: hold here if a held request is due."""
         # an EngineLoop's ids are "<stream>:<request id>"
         running = [(seq.request_id.split(":", 1)[-1], seq) for seq in engine.scheduler.running]
+        for request_id, seq in running:   # (the engine checks timeouts at the start of a step)
+            if (request_id.startswith(self.prefix) and seq.timeout_s is not None
+                    and self.group_of(request_id) not in self.held_groups):
+                seq.is_timed_out = _not_before_the_hold   # this sequence's own, until _hold
         for request_id, seq in running:
             group = self.group_of(request_id)
             done = seq.num_output_tokens if seq.pooling is None else seq.num_computed_tokens
@@ -70,10 +77,15 @@ class Hold:
     def _hold(self, request_id: str, group: str, seqs: list) -> None:
         shown = request_id.replace("\0", "/")   # (an embedding input's id: the line's, NUL, its index)
         print(f"held: {shown} after {AFTER_TOKENS} tokens (group {group})", file=sys.stderr, flush=True)
+        for seq in seqs:
+            vars(seq).pop("is_timed_out", None)   # the class's again: its clock counts from here
+        if all(seq.timeout_s is not None for seq in seqs):
+            for seq in seqs:
+                move_past_timeout(seq)
         with self.changed:
             while (request_id not in self.stopped and not self.released(group)
                    and not all(seq.is_timed_out(time.perf_counter()) for seq in seqs)):
-                self.changed.wait(timeout=0.01)   # (neither a release file nor a clock is announced)
+                self.changed.wait(timeout=0.01)   # (a release file is not announced)
         print(f"released: {shown}", file=sys.stderr, flush=True)
 
     def released(self, group: str) -> bool:
@@ -83,6 +95,22 @@ class Hold:
         with self.changed:
             self.stopped.update(request_ids)
             self.changed.notify_all()
+
+
+def _not_before_the_hold(now: float) -> bool:
+    return False
+
+
+def move_past_timeout(seq) -> None:
+    """Date a running sequence's clock back by its timeout_s, as if that long had passed since
+    its first step: the engine's next step retires it (timed out), its latency counts the
+    time, and nothing waits for a clock, on any machine. Only its own timestamps move (its
+    queue time and time to first token stay what they were)."""
+    shift = seq.timeout_s
+    seq.arrival_time -= shift
+    seq.first_scheduled_time -= shift
+    if seq.first_token_time is not None:
+        seq.first_token_time -= shift
 
 
 def release(release_dir: Path, group: str) -> None:

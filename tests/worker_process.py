@@ -6,19 +6,23 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import redis
 
 BROKER_URL = "redis://127.0.0.1:6379/0"
+REPO = Path(__file__).resolve().parent.parent   # `-m tests.hold` is found from here
 
 
 @contextlib.contextmanager
-def worker(env, log_path, *args):
+def worker(env, log_path, *args, held: bool = False):
     """A `pipeline worker ARGS` subprocess (e.g. --model DIR: the engine it serves), always
-    stopped afterwards (warm, then forced)."""
+    stopped afterwards (warm, then forced). held: under tests/hold.py's hold (its "held-"
+    requests wait mid-generation until their stream stops, or TEST_HOLD_DIR releases them)."""
+    module = ["tests.hold", "cli"] if held else ["cli"]   # `python -m tests.hold cli worker ...`
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--loglevel", "info", *map(str, args)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", *module, "worker", "--loglevel", "info", *map(str, args)],
+                                env=env, cwd=REPO if held else None, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield proc
     finally:

@@ -76,12 +76,19 @@ class EngineCache:
         self._fingerprint: str | None = None   # the loaded engine's, by the files it read
         self._loop = None
         self._users = 0                # shards holding the loop, and a build in progress
+        self._waiting = 0              # shards in use() waiting for the engine (to be free, built or kept)
         self._idle_since = time.monotonic()
         self.building = False          # a model is being built (read by the admission gate)
 
     @property
     def served_keys(self) -> list[str]:
         return list(self._served)
+
+    @property
+    def num_waiting(self) -> int:
+        """Shards waiting in use() for the engine (another's in use, or being built)."""
+        with self._changed:
+            return self._waiting
 
     @property
     def loop(self):
@@ -122,7 +129,11 @@ class EngineCache:
                     self._drop()
                     self.building = True
                     break
-                self._changed.wait(timeout=RECHECK_S)
+                self._waiting += 1
+                try:
+                    self._changed.wait(timeout=RECHECK_S)
+                finally:
+                    self._waiting -= 1
             self._users += 1
             build = self.building and self._loop is None
         try:

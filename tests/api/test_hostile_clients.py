@@ -27,6 +27,7 @@ from sqlalchemy import text
 
 from jobs.ledger import make_engine
 from cli import main
+from polling import wait_until
 from worker_process import BROKER_URL, drop_queue
 
 CHAT = "/v1/chat/completions"
@@ -73,14 +74,12 @@ def serving(tmp_path, db_url):
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     server = Server(root, db_url, port, done.stdout.strip())
     try:
-        deadline = time.monotonic() + WAIT_S
-        while True:
+        def answering() -> bool:
             assert proc.poll() is None, log_path.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{server.base_url}/files", headers=server.headers).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
+            return httpx.get(f"{server.base_url}/files", headers=server.headers).status_code == 200
+
+        wait_until("the server to answer", answering, WAIT_S, retry=(httpx.TransportError,),
+                   diagnostics=lambda: log_path.read_text())
         yield server
     finally:
         proc.terminate()

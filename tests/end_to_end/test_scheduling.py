@@ -168,11 +168,16 @@ def test_back_pressure_refuses_a_job_and_creates_nothing(sqlite_url, cluster_fac
     assert result.exit_code == 0, result.output
 
 
-def test_list_and_status_show_priority_deadline_and_time_left(sqlite_url, tmp_path, data_root):
+def test_list_and_status_show_priority_deadline_and_time_left(sqlite_url, tmp_path, data_root, monkeypatch):
     Session = ledger.session_factory(ledger.make_engine(sqlite_url))
     src = write_jsonl(tmp_path / "in.jsonl", long_rows("d-", 2, 4))
     job_id, _ = create_job_from_file(Session, data_root, src, model="m", engine_options={}, shard_size=2,
                                      completion_window="8h", priority="high")
+    # The CLI's clock (jobs.ledger.utcnow, read when it renders) half a minute after the job
+    # was created, however long the commands below take on this machine.
+    with Session() as s:
+        created = ledger.get_job(s, job_id).created_at
+    monkeypatch.setattr(ledger, "utcnow", lambda: created + timedelta(seconds=30))
     env = {"PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": sqlite_url,
            "COLUMNS": "250"}
     listed = CliRunner().invoke(main, ["list"], env=env)

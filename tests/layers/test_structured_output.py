@@ -3,6 +3,7 @@
 The bundled SmolLM2-135M-Instruct answers JSON-schema, JSON-mode, regex, choice and Lark
 requests (checked with jsonschema, json, re and lark); the tiny random Llama checks how
 constraints compose with the engine (preemption, prefix caching, unconstrained neighbours).
+Through a whole job, OpenAI lines in and out: test_structured_output_jobs.py.
 """
 from __future__ import annotations
 
@@ -16,21 +17,8 @@ import torch
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.structured_output import check
+from structured_output_helpers import SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "maxLength": 30},
-        "genre": {"enum": ["drama", "comedy", "horror", "documentary"]},
-        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-        "rating": {"type": "number", "minimum": 0, "maximum": 10},
-        "cast": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
-        "studio": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
-                   "required": ["name"], "additionalProperties": False},
-    },
-    "required": ["title", "genre", "year", "rating", "cast", "studio"],
-    "additionalProperties": False,
-}
 MOVIES = ["Titanic", "Jaws", "Alien", "Up", "Heat", "Rocky", "Psycho", "Fargo", "Casablanca", "Vertigo",
           "Amelie", "Shrek", "Cars", "Frozen", "Coco", "Inception", "Gladiator", "Memento", "Big", "Babe"]
 ARITHMETIC = r"""
@@ -311,91 +299,3 @@ def test_the_compile_caches_hold_a_bounded_number_of_bytes_least_recently_used_f
     before = grammars.hits
     structured_output.grammar_of({"json": schemas[-1]})
     assert grammars.hits == before + 1
-
-
-# ---- through a job: OpenAI lines in, OpenAI lines out ---------------------------------------
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-
-
-def chat_line(custom_id: str, content: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
-                     "temperature": 0, "max_tokens": 120, **body}}
-
-
-def test_a_batch_with_schemas_and_a_forced_tool_call_comes_back_in_openai_shapes(runner, data_root, tmp_path,
-                                                                                 Session):
-    from openai.types.chat import ChatCompletion
-
-    from jobs.ledger import list_jobs
-    from cli import main
-
-    lines = [
-        chat_line("movie", "Describe the movie Jaws as JSON.", response_format={
-            "type": "json_schema", "json_schema": {"name": "movie", "schema": SCHEMA, "strict": True}}),
-        chat_line("mode", "Reply with a JSON object with the keys city and country, for Paris.",
-                  response_format={"type": "json_object"}),
-        chat_line("tool", "What is the weather in Paris?", tools=[WEATHER],
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-        chat_line("plain", "What is the capital of France?", response_format={"type": "text"}),
-    ]
-    src = tmp_path / "batch.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    done = runner.invoke(main, ["run", str(src), "--device", "cpu", "--dtype", "float32", "--kv-cache-gib", "0.2"])
-    assert done.exit_code == 0, done.output
-    with Session() as s:
-        (job,) = list_jobs(s)
-    assert (job.constrained_requests, job.constrained_valid) == (3, 3)
-    out = tmp_path / "out.jsonl"
-    assert runner.invoke(main, ["results", job.id, "--export", str(out), "--format", "openai"]).exit_code == 0
-    bodies = {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"])
-              for line in map(json.loads, out.read_text().splitlines())}
-    jsonschema.validate(json.loads(bodies["movie"].choices[0].message.content), SCHEMA)
-    assert isinstance(json.loads(bodies["mode"].choices[0].message.content), dict)
-    tool = bodies["tool"].choices[0]
-    assert tool.finish_reason == "tool_calls" and tool.message.content is None
-    (call,) = tool.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    assert "Paris" in bodies["plain"].choices[0].message.content
-
-
-def test_bad_schemas_regexes_and_tool_choices_are_refused_with_their_line_numbers(runner, data_root, tmp_path):
-    from cli import main
-
-    lines = [
-        chat_line("ok", "Hi", response_format={"type": "json_object"}),
-        chat_line("schema", "Hi", response_format={"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strung"}}}}}),
-        chat_line("regex", "Hi", structured_outputs={"regex": "[0-9"}),
-        chat_line("auto", "Hi", tools=[WEATHER]),
-        chat_line("both", "Hi", tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
-        chat_line("kind", "Hi", response_format={"type": "yaml"}),
-    ]
-    src = tmp_path / "bad.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    done = runner.invoke(main, ["submit", str(src)])
-    assert done.exit_code == 2, done.output
-    for number, says in ((2, "strung"), (3, "unclosed character class"), (4, "auto (the default with tools)"),
-                         (5, "not both"), (6, "response_format must be an object with type")):
-        assert any(line.startswith(f"line {number}:") and says in line for line in done.stderr.splitlines()), \
-            (number, done.stderr)
-    assert "line 1:" not in done.stderr and not (data_root / "jobs").exists()
-
-
-def test_validating_many_lines_that_share_one_schema_compiles_it_once(tmp_path):
-    from jobs.input.line_checks import validate
-    from pipeline import structured_output
-
-    line = json.dumps(chat_line("x", "Hi", response_format={
-        "type": "json_schema", "json_schema": {"name": "movie", "schema": SCHEMA}}))
-    src = tmp_path / "many.jsonl"
-    src.write_text("".join(line.replace('"x"', f'"x{i}"', 1) + "\n" for i in range(2000)))
-    structured_output._check.cache_clear()
-    assert validate(src).ok
-    assert (structured_output._check.misses, structured_output._check.hits) == (1, 1999)

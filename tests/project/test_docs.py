@@ -201,7 +201,7 @@ def _commands():
 def test_every_cli_command_is_documented():
     text = _text(DOCS / "running.md") + _text(ROOT / "README.md")
     missing = [c for c in _commands() if not re.search(rf"\bpipeline {re.escape(c)}\b", text)]
-    assert not missing, f"docs/running.md (its Commands table) or README.md does not name: " + \
+    assert not missing, "docs/running.md (its Commands table) or README.md does not name: " + \
         ", ".join(f"pipeline {c}" for c in missing)
 
 

@@ -4,11 +4,11 @@ the AdmissionGate in front of it."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from pipeline import Request, SamplingParams
+from polling import wait_until
 from workers.admission import AdmissionGate
 from workers.engine_cache import EngineCache
 
@@ -48,7 +48,10 @@ def test_other_options_wait_until_the_engine_is_free(options):
     with holder.use(options) as first:
         t = threading.Thread(target=shard_with_other_options)
         t.start()
-        assert not entered.wait(1.0) and first.is_serving   # not rebuilt under a running shard
+        # It looked at the engine, found it in use and waits for it (a state, not a time):
+        wait_until("the other options' shard to wait for the engine", lambda: holder.num_waiting == 1,
+                   timeout=60, poll_s=0.01)
+        assert not entered.is_set() and first.is_serving   # not rebuilt under a running shard
     assert entered.wait(60)
     assert got["loop"] is not first and not first.is_serving
     assert got["loop"].engine.block_manager.num_blocks == 32
@@ -78,14 +81,14 @@ def test_a_shard_starts_only_when_the_batch_has_room(options):
             max_tokens=40 + 10 * i, ignore_eos=True)) for i in range(6)]
         first = threading.Thread(target=lambda: finished.extend(o.id for o in loop.generate(requests)))
         first.start()
-        assert _wait(lambda: loop.num_unfinished >= 4)
+        wait_until("the first shard to fill the batch", lambda: loop.num_unfinished >= 4, timeout=30, poll_s=0.01)
         assert not loop.has_room
         waits = []
         with gate.room(stop=lambda: True):                # told to stop: enters at once
             pass
         with gate.room(stop=lambda: False, while_waiting=lambda: waits.append(1)):
-            assert _wait(lambda: len(finished) >= 3)        # entered once the first shard drained
-                                                            # (its thread may lag the engine a little)
+            wait_until("3 of the first shard's requests to finish", lambda: len(finished) >= 3, timeout=30,
+                       poll_s=0.01)   # entered once the first shard drained (its thread may lag the engine a little)
         assert waits                                        # and was told it waited
         first.join(60)
     holder.close()
@@ -105,23 +108,16 @@ def test_waiting_shards_enter_by_rank_then_job_then_index():
 
     threads = [threading.Thread(target=enter, args=(("a", 0),))]
     threads[0].start()
-    assert _wait(lambda: entered == [("a", 0)])
+    wait_until("a0 to enter", lambda: entered == [("a", 0)], timeout=30, poll_s=0.01)
     for shard, rank in ((("b", 2), 1), (("a", 3), 1), (("b", 1), 1), (("a", 2), 1), (("c", 5), 0), (("a", 1), 1)):
         waiting = gate.num_waiting
         threads.append(threading.Thread(target=enter, args=(shard, rank)))
         threads[-1].start()
-        assert _wait(lambda: gate.num_waiting == waiting + 1)   # arrived, in this order
+        wait_until(f"{shard} at the gate", lambda: gate.num_waiting == waiting + 1, timeout=30,
+                   poll_s=0.01)   # arrived, in this order
     release.set()
     for thread in threads:
         thread.join(30)
     assert entered == [("a", 0), ("c", 5), ("b", 1), ("b", 2), ("a", 1), ("a", 2), ("a", 3)]
     assert gate.num_waiting == 0
 
-
-def _wait(predicate, timeout_s: float = 30) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False

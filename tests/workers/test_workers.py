@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from jobs.ledger import get_job, get_shards, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths, check_job_id
 from jobs.results.parquet_files import read_results
+from polling import wait_until
 from worker_process import BROKER_URL, drop_queue, worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,13 +152,18 @@ def test_a_worker_stopped_while_its_engine_loads_exits_0(data_root, tmp_path, ti
 
 def wait_for_log(proc, log_path, line: str, until_exit: bool = False) -> None:
     """Until the worker's log holds `line` (or, until_exit, the worker has ended)."""
-    deadline = time.monotonic() + WAIT_S
-    while line not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None:
-            assert until_exit, log_path.read_text(errors="replace")[-3000:]
-            return
-        assert time.monotonic() < deadline, log_path.read_text(errors="replace")[-3000:]
-        time.sleep(0.1)
+    def log() -> str:
+        return log_path.read_text(errors="replace")
+
+    def there() -> bool:
+        if line in log():
+            return True
+        if proc.poll() is not None:   # ended without it: the state sought only with until_exit
+            assert until_exit, log()[-3000:]
+            return True
+        return False
+
+    wait_until(f"{line!r} in the worker's log", there, WAIT_S, poll_s=0.1, diagnostics=lambda: log()[-3000:])
 
 
 def test_importing_the_app_sets_nothing_and_a_starting_worker_sets_its_allocators():
