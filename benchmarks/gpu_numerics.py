@@ -1,10 +1,8 @@
 """gpu_check.py's numerics checks: the device against the CPU in float32 token for token, bf16
 and each quantized mode against CPU float32 logits (teacher-forced), with the bounds that
-catch a broken kernel. Each check takes gpu_check's Run (its reference: CPU float32 greedy
+catch a broken kernel. Each check takes gpu_check.Run (its reference: CPU float32 greedy
 runs of prompts with no near-tie)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,9 +12,6 @@ import gpu_speed
 from gpu_report import BudgetExceeded, report
 from pipeline import Engine, Request, SamplingParams
 from pipeline.layers.quantization import weight_only as wq
-
-if TYPE_CHECKING:
-    from gpu_check import Run
 
 MARGIN = 0.05   # nats: the least top-1/top-2 gap a chosen prompt's greedy steps may have
 # bf16 logits against float32: mean |error| over the logits' standard deviation, and the
@@ -62,7 +57,7 @@ def share_before_first_difference(got: list[list[int]], want: list[list[int]]) -
     return round(agreed / sum(len(w) for w in want), 3)
 
 
-def check_numerics_float32(run: Run) -> None:
+def check_numerics_float32(run) -> None:
     ref = run.reference
     if not ref["prompts"]:
         report("numerics_float32", "failed", reason=f"no prompt of {ref['candidates']} has every gap >= {MARGIN}")
@@ -81,7 +76,7 @@ def check_numerics_float32(run: Run) -> None:
            agreement=share_before_first_difference(got, ref["tokens"]))
 
 
-def check_numerics_bf16(run: Run) -> None:
+def check_numerics_bf16(run) -> None:
     ref = run.reference
     engine = run.engine(device=run.device, dtype="bfloat16")
     logits = teacher_forced_logits(engine, [p + t[:-1] for p, t in zip(ref["prompts"], ref["tokens"])])
@@ -111,7 +106,7 @@ QUANT_MEAN_REL_ERROR = {"fp8": 0.095, "w8a16": 0.03, "w4a16": 0.28}
 QUANT_TOP1_EQUAL = {"fp8": 0.75, "w8a16": 0.85, "w4a16": 0.28}
 
 
-def check_numerics_quantized(run: Run) -> None:
+def check_numerics_quantized(run) -> None:
     ref = run.reference
     spread = torch.cat(ref["logits"]).std().item()
     modes, skipped = gpu_quant.runnable_modes(run.device)

@@ -19,7 +19,7 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.device import resolve_device, resolve_dtype
 from pipeline.engine import clock, memory_budget
-from pipeline.engine.admission import admit
+from pipeline.engine.admission import Admission
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.choices import fork_choices
 from pipeline.engine.generation import generate
@@ -86,6 +86,8 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer, self.scheduler, eos_token_ids(self.model_dir, self.tokenizer))
         self.sampler = Sampler(self.device)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size, self.device)
+        self.admission = Admission(self.scheduler, self.output, self.structured, self.runner, self.model_dir,
+                                   self.hidden_size)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.sampler)
         overlap = config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
         self.overlap_steps = overlap and config.speculative == "none"   # drafts are proposed from the newest tokens
@@ -144,7 +146,7 @@ class Engine:
         """add_request for each, their prompts tokenized together (prompts_token_ids):
         each request's error results, [] for those queued."""
         arrival = clock.now()
-        return [admit(self, request, ids, arrival)
+        return [self.admission.admit(request, ids, arrival, self.overlap_steps)
                 for request, ids in zip(requests, prompts_token_ids(self.tokenizer, requests))]
 
     def abort(self, request_ids: Iterable[str]) -> None:
