@@ -28,6 +28,7 @@ from jobs.reuse.answer_key import engine_fingerprint, request_key
 from jobs.duration_estimate import AnswerLengths, Work, measure_step_costs
 from jobs.ledger.statuses import JobStatus
 from jobs.submission import check_model_can_answer, with_vocabulary
+from pipeline.engine.scheduler import length_error
 from pipeline.engine_key import engine_key
 from pipeline.models.model_dir import context_length, is_encoder
 
@@ -149,28 +150,18 @@ def _too_long_rule(context: int, cache: int | None, encoder: bool):
     request (pipeline.engine.scheduler.Scheduler.admission_error, and the encoder's limit)."""
     if encoder:   # an encoder takes inputs of the whole context
         return lambda n, request: n > context
-
-    def too_long(n: int, request) -> bool:
-        if n >= context:   # a decoder needs room for one output token after the prompt
-            return True
-        reach = n + 1 if request.is_embedding else min(n + request.max_tokens, context)
-        return cache is not None and reach > cache
-
-    return too_long
+    return lambda n, request: length_error(n, request.max_tokens, request.is_embedding, context, cache) is not None
 
 
 def kv_cache_tokens(engine_options: dict, model_dir) -> int | None:
-    """The tokens the KV cache of an engine built here from engine_options holds, sized as
-    Engine.__init__ sizes it, without loading the model; None where only the engine can
+    """The tokens the KV cache of an engine built here from engine_options holds, from the
+    plan Engine.__init__ builds its cache from (memory_budget.kv_cache_plan), without
+    loading the model; None where only the engine can
     tell: on CUDA its budget is what the loaded model leaves of the device, and its block
     size the probed attention backend's (unless num_kv_blocks and block_size are given)."""
-    import torch
-
     from pipeline.config import EngineConfig
     from pipeline.device import resolve_device, resolve_dtype
     from pipeline.engine import memory_budget
-    from pipeline.layers import attention
-    from pipeline.layers.kv_cache import KVCache
     from pipeline.models.llama import LlamaArgs
     from pipeline.models.loader import read_hf_config
 
@@ -184,17 +175,10 @@ def kv_cache_tokens(engine_options: dict, model_dir) -> int | None:
         hf_config = read_hf_config(model_dir)
         args = LlamaArgs.from_hf_config(hf_config)
         dtype = resolve_dtype(config.dtype, device, hf_config)
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
-        backend = attention.select(config.attention_backend, device, dtype, kv_dtype,
-                                   (args.num_heads, args.num_kv_heads, args.head_dim))
-        block_size = config.block_size or backend.default_block_size
-        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            memory_budget.kv_cache_bytes(config, device, args, dtype, memory_budget.max_num_seqs(config, device),
-                                         backend.copies_layer_kv),
-            args.num_layers, args.num_kv_heads, args.head_dim, block_size, kv_dtype)
+        plan = memory_budget.kv_cache_plan(config, device, args, dtype, memory_budget.max_num_seqs(config, device))
     except (RuntimeError, ValueError):   # an engine that would not start: it says why when it does not
         return None
-    return num_blocks * block_size
+    return plan.num_tokens
 
 
 def _prompt_lengths(tokenizer, request) -> list[int]:

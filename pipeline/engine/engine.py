@@ -29,7 +29,6 @@ from pipeline.engine.scheduler import ScheduledBatch, Scheduler
 from pipeline.engine.sequence import Sequence
 from pipeline.engine.speculative import Speculator
 from pipeline.engine.step_in_flight import StepInFlight, can_overlap
-from pipeline.layers import attention
 from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
@@ -57,16 +56,12 @@ class Engine:
             pack_linear_layers(self.model)   # CPU float32 and bfloat16; elsewhere it changes nothing
 
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
-        self.attention_backend = backend = attention.select(config.attention_backend, self.device, dtype, kv_dtype,
-                                                            (args.num_heads, args.num_kv_heads, args.head_dim))
-        self.block_size = block_size = config.block_size or backend.default_block_size
-        backend.check(block_size, dtype, kv_dtype, self.device)
-        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            memory_budget.kv_cache_bytes(config, self.device, args, dtype, self.max_num_seqs, backend.copies_layer_kv),
-            args.num_layers, args.num_kv_heads, args.head_dim, block_size, kv_dtype)
+        plan = memory_budget.kv_cache_plan(config, self.device, args, dtype, self.max_num_seqs)
+        self.attention_backend = backend = plan.backend
+        self.block_size = block_size = plan.block_size
+        num_blocks = plan.num_blocks
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
-                           num_blocks, kv_dtype, self.device, backend)
+                           num_blocks, plan.kv_dtype, self.device, backend)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,

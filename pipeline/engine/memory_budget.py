@@ -14,10 +14,13 @@ eagerly, off the CUDA graphs).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from pipeline.layers.attention import AttentionBackend
 
     from pipeline.config import EngineConfig
     from pipeline.models.llama import LlamaArgs
@@ -86,3 +89,39 @@ def budget_from_free_memory(free: int, total: int, utilization: float, reserve: 
             f"about {reserve / 2**30:.2f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, "
             "or give kv_cache_gib")
     return budget
+
+
+@dataclass(frozen=True, slots=True)
+class KVCachePlan:
+    """The KV cache an engine makes: the attention backend that reads it, its element type,
+    its blocks and their size."""
+    backend: AttentionBackend
+    kv_dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def kv_cache_plan(config: EngineConfig, device: torch.device, args: LlamaArgs, dtype: torch.dtype,
+                  num_seqs: int) -> KVCachePlan:
+    """The attention backend and the KV cache's blocks for this model and device (on CUDA
+    once the model is loaded: the budget is what it leaves); ValueError for a backend that
+    cannot serve these settings. Engine.__init__ builds its cache from it, and the dry run
+    (jobs.dry_run) tells from it what a CPU engine's cache will hold before one is built."""
+    import torch
+
+    from pipeline.layers import attention
+    from pipeline.layers.kv_cache import KVCache
+
+    kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+    backend = attention.select(config.attention_backend, device, dtype, kv_dtype,
+                               (args.num_heads, args.num_kv_heads, args.head_dim))
+    block_size = config.block_size or backend.default_block_size
+    backend.check(block_size, dtype, kv_dtype, device)
+    num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
+        kv_cache_bytes(config, device, args, dtype, num_seqs, backend.copies_layer_kv),
+        args.num_layers, args.num_kv_heads, args.head_dim, block_size, kv_dtype)
+    return KVCachePlan(backend, kv_dtype, block_size, num_blocks)

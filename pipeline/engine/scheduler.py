@@ -63,31 +63,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def admission_error(self, seq: Sequence) -> str | None:
-        """Why `seq` can never run, or None: its prompt cannot fit the context, or the
-        tokens it may reach cannot fit the whole KV cache.
-
-        The tokens it may reach are its prompt plus max_tokens, up to the context length (an
-        embedding: its prompt and one more). Cut at the cache's size instead, an answer
-        would end `length` where the model and the request allow more: a wrong answer that
-        a larger cache would not give (the cache's size is in neither the engine key nor
-        the answer's key), stored and reused as if complete. Refused, it is a failed row
-        that `pipeline retry --only-failed` runs again on a larger cache. Choices of an
-        n > 1 request share the prompt's blocks but each may grow alone: the same bound.
-        """
-        n = seq.num_prompt_tokens
-        if n == 0:
+        """Why `seq` can never run, or None: its prompt is empty or cannot fit the context,
+        or the tokens it may reach cannot fit the whole KV cache (length_error)."""
+        if seq.num_prompt_tokens == 0:
             return "the prompt is empty after tokenisation"
-        if n >= self.context_len:
-            return (f"the prompt has {n} tokens but the maximum model length is {self.context_len} "
-                    f"tokens (prompt plus at least one output token)")
-        reach = n + 1 if seq.pooling is not None else min(n + seq.params.max_tokens, self.context_len)
-        if reach > self.cache_tokens:
-            wants = "its prompt and one more token" if seq.pooling is not None else \
-                f"{n} prompt tokens plus max_tokens {seq.params.max_tokens}" + (
-                    f", up to the maximum model length of {self.context_len}" if reach == self.context_len else "")
-            return (f"the request may need {reach} tokens of KV cache ({wants}) but the whole cache holds "
-                    f"{self.cache_tokens}; give the engine a larger KV cache (kv_cache_gib) or lower max_tokens")
-        return None
+        return length_error(seq.num_prompt_tokens, seq.params.max_tokens, seq.pooling is not None,
+                            self.context_len, self.cache_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -212,3 +193,31 @@ class Scheduler:
         for seq in dropped:
             self.finish(seq)
         return dropped
+
+
+def length_error(prompt_tokens: int, max_tokens: int, embedding: bool, context_len: int,
+                 cache_tokens: int | None) -> str | None:
+    """Why a prompt of prompt_tokens can never run, or None: it leaves no room for an output
+    token in the context, or the tokens it may reach do not fit a KV cache of cache_tokens
+    (None: not known; jobs.dry_run asks before an engine exists).
+
+    The tokens it may reach are its prompt plus max_tokens, up to the context length (an
+    embedding: its prompt and one more). Cut at the cache's size instead, an answer would end
+    `length` where the model and the request allow more: a wrong answer that a larger cache
+    would not give (the cache's size is in neither the engine key nor the answer's key),
+    stored and reused as if complete. Refused, it is a failed row that `pipeline retry
+    --only-failed` runs again on a larger cache. Choices of an n > 1 request share the
+    prompt's blocks but each may grow alone: the same bound.
+    """
+    n = prompt_tokens
+    if n >= context_len:
+        return (f"the prompt has {n} tokens but the maximum model length is {context_len} "
+                f"tokens (prompt plus at least one output token)")
+    reach = n + 1 if embedding else min(n + max_tokens, context_len)
+    if cache_tokens is not None and reach > cache_tokens:
+        wants = "its prompt and one more token" if embedding else \
+            f"{n} prompt tokens plus max_tokens {max_tokens}" + (
+                f", up to the maximum model length of {context_len}" if reach == context_len else "")
+        return (f"the request may need {reach} tokens of KV cache ({wants}) but the whole cache holds "
+                f"{cache_tokens}; give the engine a larger KV cache (kv_cache_gib) or lower max_tokens")
+    return None
