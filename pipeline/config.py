@@ -84,6 +84,12 @@ class EngineConfig:
     # scheduling and bookkeeping run beside the device's work (pipeline/engine/step_in_flight.py).
     # None: on CUDA, off on a CPU (whose forward is the host's own work). Never with drafts.
     overlap_steps: bool | None = None
+    # A greedy or seeded request gets the same tokens and logprobs, bit for bit, whatever
+    # else shares its steps, however its prompt is chunked, whether its prefix came from
+    # the prefix cache, with or without speculation (pipeline/layers/batch_invariant.py).
+    # CPU only for now: an engine on CUDA refuses it. Part of the engine key, so answers
+    # kept for reuse say which promise they were computed under.
+    batch_invariant: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

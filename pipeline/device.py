@@ -36,12 +36,18 @@ def cpu_has_native_bf16() -> bool:
               getattr(torch.cpu, "_is_amx_tile_supported", None))
     if any(probe is not None and probe() for probe in probes):
         return True
+    flags = cpu_flags()
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The kernel's CPU flags (/proc/cpuinfo), empty where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
     except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+        return frozenset()
 
 
 def computes_natively(dtype: torch.dtype, device: torch.device) -> bool:

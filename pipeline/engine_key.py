@@ -35,6 +35,10 @@ def identity(options: dict) -> dict:
     ident = {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in WORKER_FIELDS}
     if config.quantization in QUANTIZATION_REVISIONS:   # absent otherwise: other keys stay as they were
         ident["quantization_revision"] = QUANTIZATION_REVISIONS[config.quantization]
+    if not config.batch_invariant:
+        # Absent when off: answers computed before the mode existed were computed without
+        # it, and keep the key that says so; an invariant engine has a key of its own.
+        del ident["batch_invariant"]
     return ident
 
 
@@ -45,3 +49,11 @@ def engine_key(options: dict) -> str:
     name = Path(ident["model"]).name if ident["model"] else BUNDLED_NAME
     return f"{re.sub(r'[^a-z0-9._]+', '-', name.lower()).strip('-.') or 'model'}-{digest}"
 
+
+def ran_batch_invariant(options: dict, key: str | None) -> bool:
+    """Whether the job of these options and engine key ran batch-invariant (a job recorded
+    before the mode existed has the key of its options without it)."""
+    try:
+        return bool(identity(options).get("batch_invariant")) and engine_key(options) == key
+    except (TypeError, ValueError):   # options of an older release that EngineConfig no longer takes
+        return False

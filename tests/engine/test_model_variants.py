@@ -74,6 +74,7 @@ def test_quantized_tiny_model_generates(tiny_model_dir, mode, layer, weight_dtyp
                                  dtype=str(dtype).removeprefix("torch.")))
     # Right after construction, before any forward: quantized, in eval mode.
     for linear in (engine.model.model.layers[0].self_attn.qkv_proj, engine.model.model.layers[1].mlp.down_proj):
+        linear = linear.inner   # inside the batch-invariant wrapper (pipeline/layers/batch_invariant.py)
         assert type(linear).__name__ == layer
         assert linear.weight.dtype == weight_dtype          # really quantized, not just swapped
         assert not linear.training

@@ -61,12 +61,13 @@ def test_only_large_cpu_float32_and_native_bf16_layers_are_packed():
     assert type(model["down_proj"]) is nn.Linear and type(model["other"]) is nn.Linear
 
 
+# The layers sit inside batch-invariant wrappers (pipeline/layers/batch_invariant.py): `.inner`.
 def test_engine_packs_cpu_float32_weights_unless_told_not_to(tiny_model_dir):
     packed = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=16))
     plain = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=16, pack_weights=False))
-    assert isinstance(packed.model.model.layers[0].mlp.gate_up_proj, PackedLinear)
-    assert isinstance(packed.model.lm_head, PackedLinear)
-    assert type(plain.model.model.layers[0].mlp.gate_up_proj) is nn.Linear
+    assert isinstance(packed.model.model.layers[0].mlp.gate_up_proj.inner, PackedLinear)
+    assert isinstance(packed.model.lm_head.inner, PackedLinear)
+    assert type(plain.model.model.layers[0].mlp.gate_up_proj.inner) is nn.Linear
     from pipeline import Request, SamplingParams
     request = Request("r", prompt="The capital of France is", params=SamplingParams(max_tokens=12, temperature=0))
     assert next(packed.generate([request])).token_ids == next(plain.generate([request])).token_ids
@@ -77,8 +78,8 @@ def test_engine_packs_bf16_weights_with_onednn(tiny_model_dir):
     packed = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16))
     plain = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16,
                                 pack_weights=False))
-    assert isinstance(packed.model.model.layers[0].self_attn.qkv_proj, OneDnnLinear)
-    assert isinstance(packed.model.lm_head, OneDnnLinear)
+    assert isinstance(packed.model.model.layers[0].self_attn.qkv_proj.inner, OneDnnLinear)
+    assert isinstance(packed.model.lm_head.inner, OneDnnLinear)
     from pipeline import Request, SamplingParams
     request = Request("r", prompt="The capital of France is", params=SamplingParams(max_tokens=12, temperature=0))
     assert next(packed.generate([request])).token_ids == next(plain.generate([request])).token_ids

@@ -125,6 +125,11 @@ class AttentionBackend:
     supports_cuda_graphs = False   # its forward reads nothing back to the host, allocates nothing per step on the host
     supports_int8_kv = False
     copies_layer_kv = False        # its forward copies a layer's keys and values out (memory_budget leaves room)
+    batch_invariant = False        # each row's result independent of the step's other rows (cpu backend)
+
+    def can_be_batch_invariant(self, dtype: torch.dtype) -> bool:
+        """Whether this backend can compute each row in an order fixed by its position alone."""
+        return False
 
     def check(self, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> None:
         """Raise ValueError when this backend cannot run with these settings."""

@@ -5,6 +5,13 @@ holds each head's keys contiguously, read in place by the C decode kernel; the C
 also rotates q and k and writes the cache in one pass. Off the CPU (or without a
 compiler) its PyTorch paths run instead. Decoding rows (a speculative sequence's 1 + K
 rows each count as one) come first, then one scaled_dot_product_attention per prefill chunk.
+
+Batch-invariant (`batch_invariant`, set by pipeline/layers/batch_invariant.py): every
+row, prefill rows too, is a decode row of the C kernel, attending to the keys up to its
+own position in the cache. Each row's scores and sums then run in one order fixed by its
+position alone, so it gets the same bits however its prompt was split into chunks,
+whether its prefix came from the prefix cache, and whatever else shares the step
+(scaled_dot_product_attention's tiling follows the chunk's length).
 """
 from __future__ import annotations
 
@@ -22,17 +29,25 @@ class CpuBackend(AttentionBackend):
     default_block_size = 16
     supports_int8_kv = True
 
+    def __init__(self):
+        self.batch_invariant = False
+
+    def can_be_batch_invariant(self, dtype: torch.dtype) -> bool:
+        """The C decode kernel serves this dtype here (its order per row is fixed)."""
+        return dtype in cpu_kernels.KERNEL_DTYPES and cpu_kernels.available()
+
     def layer_cache_shape(self, num_blocks, num_kv_heads, block_size, head_dim):
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
     def build_metadata(self, layout: StepLayout, num_kv_heads: int, to_device: HostToDevice) -> AttentionMetadata:
         bs = layout.block_size
         rows = cache_rows(layout.slot_mapping, num_kv_heads, bs)
-        d = layout.num_decode_seqs
+        # Batch-invariant: every sequence's rows are decode rows (prefill rows included).
+        d = layout.num_seqs if self.batch_invariant else layout.num_decode_seqs
         decode = None
         if d:
             q_lens, tables, lens = layout.query_lens[:d], layout.block_tables[:d], layout.context_lens[:d]
-            if int(q_lens.max()) > 1:   # speculative: row j of 1 + K attends up to itself
+            if int(q_lens.max()) > 1:   # speculative (or a chunk): row j attends up to itself
                 tables = np.repeat(tables, q_lens, axis=0)
                 first = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
                 lens = np.repeat(lens - q_lens, q_lens) + (np.arange(len(first)) - first) + 1
