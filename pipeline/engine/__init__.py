@@ -4,5 +4,6 @@ model (model_runner.py, CUDA graphs in cuda_graphs.py), samples, drafts and veri
 (speculative.py), forks n > 1 choices (choices.py) and retires each request's sequences
 (output_processor.py over sequence.py and detokenizer.py), a step at a time or overlapped
 (step_in_flight.py); engine_loop.py shares one engine between threads; memory_budget.py
-sizes the batch and the KV cache. Importing the package imports no torch.
+sizes the batch and the KV cache (on CUDA after memory_profile.py's profiling step).
+Importing the package imports no torch.
 """

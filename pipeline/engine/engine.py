@@ -12,6 +12,7 @@ never decoded: the step that computes its last prompt token pools its hidden sta
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from pipeline.engine.scheduler import ScheduledBatch, Scheduler
 from pipeline.engine.sequence import Sequence
 from pipeline.engine.speculative import Speculator
 from pipeline.engine.step_in_flight import StepInFlight, can_overlap
+from pipeline.layers.batch_invariant import check_device, make_batch_invariant
 from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.layers.kv_cache import KVCache
 from pipeline.layers.packed_linear import pack_linear_layers
@@ -39,25 +41,34 @@ from pipeline.models.loader import load_model, load_tokenizer, read_hf_config, r
 from pipeline.prompts import prompt_token_ids, prompts_token_ids
 from pipeline.request import Request, RequestOutput
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        if config.batch_invariant:
+            check_device(self.device)
         self.model_dir = resolve_model_dir(config.model)
         self.dtype = dtype = resolve_dtype(config.dtype, self.device, read_hf_config(self.model_dir))
         self.tokenizer = load_tokenizer(self.model_dir)
         # Quantized while loading, one linear at a time, where the mode can (all but none, w8a8).
         quantize_linear = linear_quantizer(config.quantization, self.device, dtype)
-        model, args = load_model(self.model_dir, dtype, self.device, quantize_linear, QUANTIZED_LAYERS)
+        with memory_budget.weights_must_fit(self.device, self.model_dir):
+            model, args = load_model(self.model_dir, dtype, self.device, quantize_linear, QUANTIZED_LAYERS)
         self.model = model if quantize_linear else quantize(model, config.quantization, self.device, dtype)
         self.hidden_size = args.hidden_size
         if config.pack_weights and config.quantization == "none":
             pack_linear_layers(self.model)   # CPU float32 and bfloat16; elsewhere it changes nothing
 
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
-        plan = memory_budget.kv_cache_plan(config, self.device, args, dtype, self.max_num_seqs)
+        plan = memory_budget.kv_cache_plan(config, self.device, args, dtype, self.max_num_seqs, self.model)
         self.attention_backend = backend = plan.backend
+        if config.batch_invariant:
+            make_batch_invariant(self.model, backend, dtype, self.device, max_rows=max(
+                memory_budget.max_num_batched_tokens(config, self.device),
+                self.max_num_seqs * (1 + config.num_speculative_tokens)))
         self.block_size = block_size = plan.block_size
         num_blocks = plan.num_blocks
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
@@ -66,6 +77,7 @@ class Engine:
                                           enable_prefix_caching=config.enable_prefix_caching)
         max_model_len = min(config.max_model_len or args.max_position_embeddings,
                             args.max_position_embeddings)
+        log.info(plan.summary(max_model_len))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=memory_budget.max_num_batched_tokens(config, self.device),
                                    max_model_len=max_model_len)

@@ -7,7 +7,7 @@ The gather index is computed once per step, on the device (no per-token host wor
 shared by every layer. The cost: each layer writes and reads its context's keys and
 values once more than a paged kernel would, and the gather's length changes every step,
 so such a step cannot be a CUDA graph. The copy can reach a whole layer's share of the
-cache, so the KV budget leaves room for it (copies_layer_kv, memory_budget.kv_cache_bytes).
+cache, so the KV budget leaves room for it (copies_layer_kv, memory_budget.GpuBudget).
 
 A decode-only step (one query row per sequence: most of a long job's steps) instead reads
 the pages in place with the Triton kernel (pipeline/kernels/paged_decode_triton.py) where
