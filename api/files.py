@@ -47,7 +47,7 @@ def owned_file(request: Request, key: ledger.ApiKey, file_id: str) -> ledger.Fil
 def invalid_input(name: str, validation: Validation, what: str) -> ApiError:
     """The line-numbered errors of a file, as `pipeline submit` prints them, in one error object."""
     first = validation.errors[0] if validation.errors else None
-    return ApiError(400, validation.describe(name, what), code="invalid_file", param=f"line {first.line}" if first and first.line
+    return ApiError(400, validation.describe(name, what), code="invalid_file", param=f"{first.unit} {first.line}" if first and first.line
                     else "file")
 
 

@@ -66,10 +66,11 @@ class DryRun:
 
 
 def dry_run(path, *, engine_options: dict, model_names, limits: Limits = Limits(),
-            database_url: str | None, root, reuse: bool = True, engine_here: bool = False) -> DryRun:
+            database_url: str | None, root, reuse: bool = True, engine_here: bool = False, columns=None) -> DryRun:
     """The figures of a dry run of `path`; InvalidInput (every bad line) as a submit would.
     engine_here: the job's engine is built here from engine_options (`pipeline run`), so
-    its KV cache's size can be known before it exists."""
+    its KV cache's size can be known before it exists. columns: a Parquet table's columns that
+    make its lines (jobs.input.request_source.TableColumns)."""
     from pipeline.models.loader import load_tokenizer, resolve_model_dir   # transformers: only here
 
     model_dir = resolve_model_dir(engine_options.get("model"))
@@ -95,7 +96,7 @@ def dry_run(path, *, engine_options: dict, model_names, limits: Limits = Limits(
                 work.add(parts)
         pending.clear()
 
-    scan = Scan(path, with_vocabulary(limits, engine_options), model=model_names)
+    scan = Scan(path, with_vocabulary(limits, engine_options), model=model_names, columns=columns)
     for line in scan:
         request = RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)

@@ -38,8 +38,9 @@ def create_job_from_file(
     """Validate `path`, shard it under the data root and insert a queued job (owned by
     api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s,
     max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on), endpoint (the
-    url every OpenAI line must have, else EndpointMismatch) and served_names (the names a
-    line's body.model may use instead of the model's own: --served-model-name).
+    url every OpenAI line must have, else EndpointMismatch), served_names (the names a
+    line's body.model may use instead of the model's own: --served-model-name) and columns
+    (a Parquet table's columns that make its lines: jobs.input.request_source.TableColumns).
 
     Returns (job_id, requests per shard). Raises InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
@@ -88,7 +89,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
                 queue: str | None = None, endpoint: str | None = None,
-                served_names: tuple[str, ...] = (), reuse: bool = True) -> tuple[str, list[int]]:
+                served_names: tuple[str, ...] = (), reuse: bool = True, columns=None) -> tuple[str, list[int]]:
     check_shard_size(shard_size)
     job_paths = JobPaths(root, job_id)
     try:
@@ -98,7 +99,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         limits = with_vocabulary(limits, engine_options)
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
-                                                     model=tuple(served_names) or model)
+                                                     model=tuple(served_names) or model, columns=columns)
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):

@@ -11,7 +11,8 @@ another format or url). Range 0 is scanned here and the others by child processe
 (`python -m jobs.input.scan_worker`), each writing its shards into a folder of its own; their
 outcomes are joined by jobs.input.validation.complete, which also finds ids used twice across
 ranges. A file whose ranges could judge it otherwise than a single pass (more lines than
-the request limit; a start that does not settle the format) is scanned in one pass.
+the request limit; a start that does not settle the format) is scanned in one pass, and so is
+a Parquet table (jobs.input.parquet_lines), which has no lines to cut at.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from jobs.paths import input_shard_name
 from jobs.input.shard_files import check_shard_size, shard_line, write_shards
 from jobs.input.file_reading import open_input
 from jobs.input.line_checks import Scan, _Reader, claimed_ids
+from jobs.input.request_source import TableColumns, is_parquet
 from jobs.input.validation import InvalidInput, Limits, RangeOutcome, Validation, complete
 
 MIN_RANGE_BYTES = 16 * 1024**2   # below this a child process costs more than it saves
@@ -45,6 +47,7 @@ class RangeTask:
     seed: RangeOutcome | None               # the file's start: its format and endpoint
     shard_dir: str | None = None            # where its shards go (None: validate only)
     shard_size: int = 1
+    columns: TableColumns | None = None     # a Parquet table's columns that make its lines
 
 
 @dataclass
@@ -55,7 +58,7 @@ class RangeResult:
 
 def scan_range(task: RangeTask) -> RangeResult:
     """Check one range's lines and, with a shard_dir, write its valid requests as shards."""
-    scan = Scan(task.path, task.limits, model=task.model, span=task.span, seed=task.seed)
+    scan = Scan(task.path, task.limits, model=task.model, span=task.span, seed=task.seed, columns=task.columns)
     if task.shard_dir is None:
         for _ in scan:
             pass
@@ -65,17 +68,18 @@ def scan_range(task: RangeTask) -> RangeResult:
 
 
 def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
-             ranges: int | None = None) -> Validation:
+             ranges: int | None = None, columns: TableColumns | None = None) -> Validation:
     """The Validation of the whole file (jobs.input.line_checks.validate's), its ranges scanned in parallel."""
-    return _scan_file(path, limits, model, None, 1, ranges)[0]
+    return _scan_file(path, limits, model, None, 1, ranges, columns)[0]
 
 
 def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Limits = Limits(), *,
-                       model: str | tuple[str, ...] | None = None,
-                       ranges: int | None = None) -> tuple[Validation, list[int]]:
+                       model: str | tuple[str, ...] | None = None, ranges: int | None = None,
+                       columns: TableColumns | None = None) -> tuple[Validation, list[int]]:
     """Validate the input file `path` (against the job's `model`) and shard it, in one
     streaming pass; returns the validation and the shard sizes.
     ranges: how many line ranges to scan at once (None: one a core, for a large file).
+    columns: a Parquet table's columns that make its lines (jobs.input.parquet_lines).
 
     The shards are written into a hidden folder beside shard_dir, renamed to shard_dir
     only once the whole file is valid: InvalidInput (the file has an error) or any other
@@ -86,7 +90,7 @@ def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Lim
     shard_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{shard_dir.name}.", suffix=".partial", dir=shard_dir.parent))
     try:
-        validation, sizes = _scan_file(path, limits, model, partial, shard_size, ranges)
+        validation, sizes = _scan_file(path, limits, model, partial, shard_size, ranges, columns)
         if not validation.ok:
             raise InvalidInput(validation)
         replace_durably(partial, shard_dir)
@@ -96,11 +100,11 @@ def write_input_shards(path, shard_dir: str | Path, shard_size: int, limits: Lim
 
 
 def _scan_file(path, limits: Limits, model, shard_dir: Path | None, shard_size: int,
-               ranges: int | None) -> tuple[Validation, list[int]]:
+               ranges: int | None, columns: TableColumns | None = None) -> tuple[Validation, list[int]]:
     path = str(path)
     spans, seed = _plan(path, limits, model, ranges)
     tasks = [RangeTask(path, limits, model, span, seed if i else None,
-                       None if shard_dir is None else str(shard_dir / f"range-{i}"), shard_size)
+                       None if shard_dir is None else str(shard_dir / f"range-{i}"), shard_size, columns)
              for i, span in enumerate(spans)]
     children = [_start_child(task) for task in tasks[1:]]
     try:
@@ -112,7 +116,7 @@ def _scan_file(path, limits: Limits, model, shard_dir: Path | None, shard_size: 
                 child.kill()
                 child.wait()
     outcomes = [r.outcome for r in results]
-    validation = complete(outcomes, limits, lambda lines: claimed_ids(path, lines, outcomes[0], limits))
+    validation = complete(outcomes, limits, lambda lines: claimed_ids(path, lines, outcomes[0], limits, columns))
     sizes: list[int] = []
     if shard_dir is not None and validation.ok:   # the ranges' shards, renumbered in file order
         for task, result in zip(tasks, results):
@@ -134,6 +138,8 @@ def _plan(path: str, limits: Limits, model, ranges: int | None) -> tuple[list[tu
     if problem is not None:
         return whole
     with f:
+        if is_parquet(path, f):
+            return whole
         size = os.fstat(f.fileno()).st_size
         wanted = ranges or min(_cores(), size // MIN_RANGE_BYTES)
         if wanted <= 1:
@@ -180,9 +186,9 @@ def _line_numbers(f, starts: list[int]) -> tuple[list[int], int]:
 def _file_start(path: str, limits: Limits, model, end: int) -> RangeOutcome | None:
     """The file's format and endpoint as a single pass knows them from its first lines (up to
     byte `end`), or None if those lines leave either open."""
-    f, _ = open_input(path, limits)
     reader = _Reader(limits, model)
-    for _ in reader.read(f, 1, end):
+    items, problem = reader.open(path, span=(0, end, 1))
+    for _ in items if problem is None else ():
         if reader.input_format is not None and reader.endpoint_line is not None:
             break
     if reader.input_format is None or reader.endpoint_line is None:

@@ -1,7 +1,8 @@
 """Job input files: streaming validation and normalisation into request lines.
 
 An input file is JSONL, one request a line, either in the pipeline's own format or in
-the OpenAI Batch API format; the first request line decides which. Validation is one
+the OpenAI Batch API format; the first request line decides which (a Parquet table's rows
+are read as the lines they stand for, numbered as rows: jobs.input.request_source). Validation is one
 streaming pass (of the whole file, or of each of its line ranges: jobs.input.file_scan) that
 keeps a digest of each id seen (jobs.input.unique_ids), and it reports every bad line with its
 1-based line number; the file's outcome is a jobs.input.validation.Validation. Each valid request
@@ -18,14 +19,14 @@ gpt-4o-mini`, exactly those). Pass those names as `model`, a tuple, instead of t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 from jobs.input.answer_shape_checks import CHAT_FORCED_CALL, echo_setting, forced_tool, logprobs_setting, structured_output
 from jobs.input.embedding_checks import (
     OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
 )
 from jobs.input.prompt_checks import request_inputs
-from jobs.input.file_reading import open_input, open_regular_file, read_lines
+from jobs.input.file_reading import open_regular_file
 from jobs.input.field_checks import (
     CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
     STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, storable, string,
@@ -34,7 +35,7 @@ from jobs.input.plain_lines import PlainLines
 from jobs.input.request_spec import OPTIONAL_FIELDS, RequestSpec, request_line   # RequestSpec re-exported: a shard line's type
 from jobs.input.responses_body import FORCED_CALL as RESPONSES_FORCED_CALL
 from jobs.input.responses_body import responses_body
-from jobs.input.strict_json import parse_line
+from jobs.input.request_source import TableColumns, objects_of, open_source
 from jobs.input.unique_ids import IdLog
 from jobs.input.validation import InvalidInput, LineError, Limits, RangeOutcome, Validation, complete   # re-exported
 
@@ -44,6 +45,7 @@ __all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Valida
 _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+_TABLE_FIELDS = _PIPELINE_KEYS | PIPELINE_EMBEDDING_KEYS   # a table's columns that are our format's fields
 _PLAIN_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 _FIELDS_OF = {RESPONSES_ENDPOINT: CHAT_ENDPOINT}   # a responses body is checked as the chat body it amounts to
 _FORCED_CALL = {RESPONSES_ENDPOINT: RESPONSES_FORCED_CALL}   # how a line's API writes a forced tool_choice
@@ -52,15 +54,15 @@ _SHAPING_KEYS = frozenset({*STRUCTURED_KEYS, *TOOL_KEYS, "logprobs", "top_logpro
 
 
 def iter_lines(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
-               ) -> Iterator[tuple[int, RequestSpec | LineError]]:
-    """Stream (line number, RequestSpec or LineError) over the request lines of `path`, each
-    line checked on its own: the file-wide checks (each id once, at least one request)
-    are Scan's and validate's. A file that cannot be read yields one error with line number 0."""
-    f, problem = open_input(path, limits)
+               columns: TableColumns | None = None) -> Iterator[tuple[int, RequestSpec | LineError]]:
+    """Stream (line number, RequestSpec or LineError) over the request lines of `path` (the rows
+    of a Parquet table), each checked on its own: the file-wide checks (each id once, at least
+    one request) are Scan's and validate's. A file that cannot be read yields one error with line number 0."""
+    items, problem = _Reader(limits, model).open(path, columns)
     if problem is not None:
         yield 0, problem
         return
-    for number, item in _Reader(limits, model).read(f):
+    for number, item in items:
         yield number, item if isinstance(item, LineError) else RequestSpec.from_dict(item)
 
 
@@ -77,11 +79,13 @@ class Scan:
     span (start byte, end byte, the number of its first line) and seed (the outcome of the
     file's start, whose format and endpoint it goes on with) make it a scan of one range
     (jobs.input.file_scan); `validation` is then left to whoever joins the ranges.
+    columns: the columns of a Parquet table that make its lines (jobs.input.parquet_lines).
     """
 
     def __init__(self, path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None,
-                 span: tuple[int, int, int] | None = None, seed: RangeOutcome | None = None):
-        self.path, self.limits, self.span = path, limits, span
+                 span: tuple[int, int, int] | None = None, seed: RangeOutcome | None = None,
+                 columns: TableColumns | None = None):
+        self.path, self.limits, self.span, self.columns = path, limits, span, columns
         self._reader = _Reader(limits, model, seed)
         self.outcome: RangeOutcome | None = None
         self.validation: Validation | None = None
@@ -89,14 +93,12 @@ class Scan:
     def __iter__(self) -> Iterator[dict]:
         limits, reader = self.limits, self._reader
         outcome = RangeOutcome(ids=reader.ids)
-        f, problem = open_input(self.path, limits)
+        items, problem = reader.open(self.path, self.columns, self.span)
         if problem is not None:
             outcome.add_error(problem, limits)
             outcome.request_lines = 1   # refused as a file, not also for having no requests
         else:
-            if self.span is not None:
-                f.seek(self.span[0])
-            for _, item in reader.read(f, *(self.span[2], self.span[1]) if self.span is not None else ()):
+            for _, item in items:
                 if not isinstance(item, LineError):
                     outcome.num_requests += 1
                     if not outcome.num_errors:
@@ -106,23 +108,20 @@ class Scan:
             outcome.request_lines = reader.request_lines
         outcome.input_format, outcome.format_line = reader.input_format, reader.format_line
         outcome.endpoint, outcome.endpoint_line = reader.endpoint, reader.endpoint_line
+        outcome.unit = reader.unit
         self.outcome = outcome
         if self.span is None:
-            self.validation = complete([outcome], limits, lambda lines: claimed_ids(self.path, lines, outcome, limits))
+            self.validation = complete([outcome], limits,
+                                       lambda lines: claimed_ids(self.path, lines, outcome, limits, self.columns))
 
 
-def claimed_ids(path, lines, start: RangeOutcome, limits: Limits) -> dict[int, str]:
+def claimed_ids(path, lines, start: RangeOutcome, limits: Limits, columns: TableColumns | None = None,
+                ) -> dict[int, str]:
     """The id each of `lines` claimed, read again (the lines whose id digests met:
     jobs.input.unique_ids); start: the outcome of the file's start (its format)."""
-    wanted, found = set(lines), {}
     reader = _Reader(limits, None, start)
-    f, problem = open_input(path, limits)
-    if problem is not None:
-        raise OSError(f"{path} can no longer be read: {problem}")
-    for number, raw in read_lines(f, limits.max_line_bytes):
-        if number in wanted:
-            found[number] = reader.claimed_id(number, parse_line(number, raw, limits.max_depth))
-    return found
+    return {number: reader.claimed_id(number, obj)
+            for number, obj in objects_of(path, limits, columns, _TABLE_FIELDS, set(lines))}
 
 
 def validate(path, limits: Limits = Limits(), *, model: str | tuple[str, ...] | None = None) -> Validation:
@@ -152,45 +151,51 @@ class _Reader:
         if seed is not None:                     # a later range goes on from the file's start
             self.input_format, self.format_line = seed.input_format, seed.format_line
             self.endpoint, self.endpoint_line = seed.endpoint, seed.endpoint_line
+        self.unit = seed.unit if seed is not None else "line"   # what its numbers count: "row" of a table
         self.ids = IdLog()                       # every id claimed, with its line (jobs.input.unique_ids)
         # plain lines checked at C speed (jobs.input.plain_lines); False: every line by the full checks
         self._plain = PlainLines(limits.max_id_chars, limits.max_prompt_chars, self.model_names) if plain else None
         self.request_lines = 0
 
-    def read(self, f: BinaryIO, first_line: int = 1, end: int | None = None,
-             ) -> Iterator[tuple[int, dict | LineError]]:
-        """(line number, request line or LineError) for each request line from f's position
-        (line first_line) to byte `end` (None: the end of the file)."""
+    def open(self, path, columns: TableColumns | None = None, span: tuple[int, int | None, int] | None = None):
+        """(the (number, request line or LineError) of each request of the input at path, None),
+        or (None, the file-level problem that refuses it): jobs.input.request_source.open_source's."""
+        source, problem = open_source(path, self.limits, columns, _TABLE_FIELDS, span)
+        if problem is not None:
+            return None, problem
+        self.unit = source.unit
+        return self._checked(source.items), None
+
+    def _checked(self, items) -> Iterator[tuple[int | None, dict | LineError]]:
         lim = self.limits
-        for number, raw in read_lines(f, lim.max_line_bytes, first_line, end):
-            if raw is not None and not raw.strip():
-                continue
+        for number, obj in items:
+            if number is None:   # the file cannot be read on
+                yield None, LineError(None, str(obj))
+                return
             self.request_lines += 1
             if self.request_lines > lim.max_requests:
                 yield number, LineError(number, f"the file has more than {lim.max_requests} requests, the limit; "
-                                                "split it into several jobs")
+                                                "split it into several jobs", self.unit)
                 return
-            if raw is None:
-                yield number, LineError(number, f"the line is longer than {lim.max_line_bytes} bytes, the limit")
-                continue
             try:
-                yield number, self._request(number, raw)
+                if isinstance(obj, Bad):   # not even an object (not JSON, a line too long, a row's bad value)
+                    raise obj
+                yield number, self._request(number, obj)
             except Bad as e:
-                yield number, LineError(number, str(e))
+                yield number, LineError(number, str(e), self.unit)
 
-    def _request(self, number: int, raw: bytes) -> dict:
-        obj = parse_line(number, raw, self.limits.max_depth)
+    def _request(self, number: int, obj: dict) -> dict:
         fmt = "pipeline" if _OPENAI_KEYS.isdisjoint(obj) else "openai"
         if self.input_format is None:
             self.input_format, self.format_line = fmt, number
         elif fmt != self.input_format:
             what = "an OpenAI batch line" if fmt == "openai" else "a pipeline-format line"
             first = "an OpenAI batch line" if self.input_format == "openai" else "in the pipeline format"
-            raise Bad(f"{what} in a file whose first request (line {self.format_line}) is {first}; "
+            raise Bad(f"{what} in a file whose first request ({self.unit} {self.format_line}) is {first}; "
                        "a file must use one format throughout")
         if self._plain is not None and (line := self._plain_line(number, obj, fmt)) is not None:
             if line["id"] is None:
-                line["id"] = _default_id(number)
+                line["id"] = _default_id(number, self.unit)
             refused: list[str] = []
             self._claim(number, line["id"], refused)
             if refused:
@@ -290,7 +295,8 @@ class _Reader:
             problems += [f"unknown field {k!r} (allowed{' in an embedding line' if embedding else ''}: "
                          f"{', '.join(sorted(allowed))})" for k in sorted(obj.keys() - allowed)]
         rid = obj.get("id")
-        rid = _default_id(number) if rid is None else check(string, "id", rid, self.limits.max_id_chars, problems)
+        rid = (_default_id(number, self.unit) if rid is None
+               else check(string, "id", rid, self.limits.max_id_chars, problems))
         if embedding:
             return rid, None, obj, _EMBEDDING
         if obj.get("prompt") is not None and obj.get("messages") is not None:
@@ -305,7 +311,7 @@ class _Reader:
             self.endpoint, self.endpoint_line = endpoint, number
         elif endpoint != self.endpoint:
             kinds = {None: "a generation line (prompt or messages)", EMBEDDINGS_ENDPOINT: "an embedding line (input)"}
-            problems.append(f"{kinds[endpoint]} in a file whose first request (line {self.endpoint_line}) is "
+            problems.append(f"{kinds[endpoint]} in a file whose first request ({self.unit} {self.endpoint_line}) is "
                             f"{kinds[self.endpoint]}; a file must be one or the other throughout")
 
     def _openai(self, number: int, obj: dict, problems: list[str]):
@@ -324,7 +330,7 @@ class _Reader:
         elif self.endpoint is None:
             self.endpoint, self.endpoint_line = url, number
         elif url != self.endpoint:
-            problems.append(f"url {url!r} differs from {self.endpoint!r} of line {self.endpoint_line}; "
+            problems.append(f"url {url!r} differs from {self.endpoint!r} of {self.unit} {self.endpoint_line}; "
                             "every line of a batch must use the same url")
         body = obj.get("body")
         if body is None:
@@ -363,7 +369,7 @@ class _Reader:
         only once its id is valid)."""
         if self.input_format == "openai":
             return obj["custom_id"]
-        return obj["id"] if obj.get("id") is not None else _default_id(number)
+        return obj["id"] if obj.get("id") is not None else _default_id(number, self.unit)
 
 
 _EMBEDDING = object()   # the labels of an embedding line: _request sends it to _embedding
@@ -373,8 +379,8 @@ _EMBEDDING_SAMPLING = {name: default for name, default in SAMPLING_DEFAULTS.item
                        if name not in OPTIONAL_FIELDS and name != "stop"}
 
 
-def _default_id(number: int) -> str:
-    return f"line-{number:06d}"  # a stable id for a line without one
+def _default_id(number: int, unit: str = "line") -> str:
+    return f"{unit}-{number:06d}"  # a stable id for a line (or a table's row) without one
 
 
 def _names_of(job_model: str) -> tuple[str, str]:

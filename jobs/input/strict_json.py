@@ -49,6 +49,14 @@ def parse_line(number: int, raw: bytes, max_depth: int) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise Bad(f"the line is not valid UTF-8 (bad byte at offset {e.start})") from None
+    obj = parse_json(text, max_depth)
+    if not isinstance(obj, dict):
+        raise Bad(f"expected a JSON object (one request), got {describe(obj)}")
+    return obj
+
+
+def parse_json(text: str, max_depth: int):
+    """One JSON value, read as strictly as a line (a Parquet table's body given as a JSON string too)."""
     try:
         obj = DECODER.decode(text)
     except RecursionError:
@@ -61,9 +69,7 @@ def parse_line(number: int, raw: bytes, max_depth: int) -> dict:
     except ValueError as e:  # NaN/Infinity, or an integer with too many digits
         raise Bad(f"invalid JSON: {e}") from None
     # Bracket count bounds the depth: the full walk is only needed for bracket-heavy lines.
-    brackets = raw.count(b"[") + raw.count(b"{")
+    brackets = text.count("[") + text.count("{")
     if brackets > max_depth and too_deep(obj, max_depth):
         raise Bad(f"the JSON is nested too deeply (the limit is {max_depth} levels)")
-    if not isinstance(obj, dict):
-        raise Bad(f"expected a JSON object (one request), got {describe(obj)}")
     return obj

@@ -77,5 +77,5 @@ def duplicates(log: IdLog, ids_of: Callable[[Iterable[int]], dict[int, str]]) ->
     return found
 
 
-def duplicate_message(request_id: str, first_line: int) -> str:
-    return f"duplicate id {request_id!r} (first on line {first_line})"
+def duplicate_message(request_id: str, first_line: int, unit: str = "line") -> str:
+    return f"duplicate id {request_id!r} (first on {unit} {first_line})"

@@ -32,12 +32,14 @@ class Limits:
 
 @dataclass(slots=True)
 class LineError:
-    """What is wrong with one input line (line is None for file-level problems)."""
+    """What is wrong with one input line (line is None for file-level problems); unit: what a
+    number counts, "line" of a JSONL file or "row" of a Parquet table (jobs.input.parquet_lines)."""
     line: int | None
     message: str
+    unit: str = "line"
 
     def __str__(self) -> str:
-        return self.message if self.line is None else f"line {self.line}: {self.message}"
+        return self.message if self.line is None else f"{self.unit} {self.line}: {self.message}"
 
 
 @dataclass
@@ -91,6 +93,7 @@ class RangeOutcome:
     format_line: int | None = None
     endpoint: str | None = None
     endpoint_line: int | None = None
+    unit: str = "line"              # what its numbers count: "row" for a Parquet table
 
     def add_error(self, error: LineError, limits: Limits) -> None:
         self.num_errors += 1
@@ -111,7 +114,8 @@ def complete(outcomes: list[RangeOutcome], limits: Limits,
     errors = [e for o in outcomes for e in o.errors][:limits.max_errors_kept]
     num_errors = sum(o.num_errors for o in outcomes)
     if sum(o.request_lines for o in outcomes) == 0:
-        errors.append(LineError(None, "the file has no requests (it is empty or has only blank lines)"))
+        errors.append(LineError(None, "the table has no rows" if first.unit == "row" else
+                                "the file has no requests (it is empty or has only blank lines)"))
         num_errors += 1
     log = first.ids
     for o in outcomes[1:]:
@@ -122,15 +126,15 @@ def complete(outcomes: list[RangeOutcome], limits: Limits,
         kept = {e.line: i for i, e in enumerate(errors) if e.line is not None}
         added: list[LineError] = []   # the lines that were valid but for their id, in line order
         for line, (rid, first_line) in sorted(found.items()):
-            message = duplicate_message(rid, first_line)
+            message = duplicate_message(rid, first_line, first.unit)
             if line in bad_lines:   # the line's own problems already made it an error: one more problem
                 if line in kept:
-                    errors[kept[line]] = LineError(line, f"{errors[kept[line]].message}; {message}")
+                    errors[kept[line]] = LineError(line, f"{errors[kept[line]].message}; {message}", first.unit)
                 continue
             num_requests -= 1
             num_errors += 1
             if len(added) < limits.max_errors_kept:
-                added.append(LineError(line, message))
+                added.append(LineError(line, message, first.unit))
         # One merge by line (a file-level error first), not an insert per duplicate: linear in them.
         errors = list(heapq.merge(errors, added, key=lambda e: e.line or 0))[:limits.max_errors_kept]
     return Validation(num_requests, errors, num_errors, first.input_format or "pipeline", first.endpoint)
