@@ -57,6 +57,9 @@ class Settings:
     max_queued_requests: int = _setting("PIPELINE_MAX_QUEUED_REQUESTS", 0)
     # The largest file `pipeline serve` accepts in one upload (OpenAI's Batch API limit: 200 MB).
     max_upload_bytes: int = _setting("PIPELINE_MAX_UPLOAD_BYTES", 200 * 1024**2)
+    # Seconds before a failed webhook delivery is tried again; each next wait is twice as long
+    # (at most an hour), for a day (jobs.webhooks.retry_delay).
+    webhook_backoff_s: float = _setting("PIPELINE_WEBHOOK_BACKOFF_SECONDS", 10.0)
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here
@@ -68,6 +71,8 @@ class Settings:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{f.metadata['env']} must be a finite number, got {value}")
+        if self.webhook_backoff_s <= 0:
+            raise ValueError(f"PIPELINE_WEBHOOK_BACKOFF_SECONDS must be more than 0, got {self.webhook_backoff_s}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"PIPELINE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 

@@ -20,6 +20,9 @@ nobody is working on any more although they are not finished:
 * a job whose shards all ended but whose finalizer died is finalized here;
   shards of a cancelling job that went back to queued are cancelled;
 * result files of attempts that can never commit are removed from results/_tmp.
+* (beside it) jobs that ended with a webhook endpoint get their events posted
+  (workers.webhook_sender): by a thread of their own on a worker, after the pass in
+  `pipeline recover`.
 
 `recover` is one pass. Every worker runs it every PIPELINE_RECOVERY_INTERVAL seconds
 (default 30; 0 turns it off) in a daemon thread of its main process (started on Celery's
@@ -43,7 +46,7 @@ from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.settings import Settings
-from workers import broker, metrics
+from workers import broker, metrics, webhook_sender
 from workers.shard_runner import commit_error_rows
 
 log = logging.getLogger(__name__)
@@ -56,13 +59,20 @@ Enqueue = Callable[[ledger.Route, list[tuple[str, int]]], None]
 Backlog = Callable[[ledger.Route], int]
 
 
-def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, worker_name: str | None = None) -> dict:
-    """One pass with the settings' attempts, grace and lease, sending to the settings' broker."""
-    return recover(Session, settings.data_dir, max_attempts=settings.max_attempts,
-                   queued_grace_s=settings.queued_grace_s, lease_s=settings.lease_s, worker_name=worker_name,
-                   enqueue=lambda route, shards: broker.enqueue_shards(
-                       settings, route.engine_key, shards, route.priority, prefix=route.queue),
-                   backlog=lambda route: broker.backlog(settings, settings.queue_for(route.engine_key, route.queue)))
+def recover_with_broker(settings: Settings, Session: sessionmaker[Session], *, worker_name: str | None = None,
+                        webhooks: bool = True) -> dict:
+    """One pass with the settings' attempts, grace and lease, sending to the settings' broker;
+    then, with webhooks, one webhook pass (report["webhooks"]: workers.webhook_sender.send_due's;
+    a receiver that is down is no recovery error). The recovery thread passes webhooks=False:
+    its sender thread posts them, so that no receiver's timeout delays a recovery pass."""
+    report = recover(Session, settings.data_dir, max_attempts=settings.max_attempts,
+                     queued_grace_s=settings.queued_grace_s, lease_s=settings.lease_s, worker_name=worker_name,
+                     enqueue=lambda route, shards: broker.enqueue_shards(
+                         settings, route.engine_key, shards, route.priority, prefix=route.queue),
+                     backlog=lambda route: broker.backlog(settings, settings.queue_for(route.engine_key, route.queue)))
+    if webhooks:
+        report["webhooks"] = _guard(report, "webhooks", webhook_sender.send_due, Session, settings.webhook_backoff_s)
+    return report
 
 
 def recover(
@@ -267,7 +277,8 @@ class RecoveryThread:
             try:
                 if self.Session is None:
                     self.Session = ledger.session_factory(ledger.make_engine(self.settings.database_url))
-                report = recover_with_broker(self.settings, self.Session, worker_name=self.worker_name)
+                report = recover_with_broker(self.settings, self.Session, worker_name=self.worker_name,
+                                             webhooks=False)
             except Exception:  # the database is away: try again next time
                 log.exception("recovery pass failed")
                 continue
@@ -279,24 +290,29 @@ class RecoveryThread:
 
 
 _thread: RecoveryThread | None = None
+_sender: webhook_sender.SenderThread | None = None   # the webhook sender, started with it
 
 
 def start_thread(settings: Settings, worker_name: str | None = None) -> RecoveryThread | None:
-    """Start this process's recovery thread (once) unless its interval is 0."""
-    global _thread
+    """Start this process's recovery thread and webhook sender thread (once) unless the
+    interval is 0."""
+    global _thread, _sender
     if _thread is not None or settings.recovery_interval_s <= 0:
         return _thread
     _thread = RecoveryThread(settings, worker_name).start()
-    log.info("recovery thread started: a pass every %.3g s", settings.recovery_interval_s)
+    _sender = webhook_sender.SenderThread(settings).start()
+    log.info("recovery and webhook threads started: a pass every %.3g s", settings.recovery_interval_s)
     return _thread
 
 
 def stop_thread() -> None:
-    if _thread is not None:
-        _thread.stop()
+    for thread in (_thread, _sender):
+        if thread is not None:
+            thread.stop()
 
 
 def forget_pool_after_fork() -> None:
     """In a forked child: drop the parent's ledger connections without closing them."""
-    if _thread is not None and _thread.Session is not None:
-        _thread.Session.kw["bind"].dispose(close=False)
+    for thread in (_thread, _sender):
+        if thread is not None and thread.Session is not None:
+            thread.Session.kw["bind"].dispose(close=False)

@@ -31,7 +31,7 @@ migrations), job_states (the job state machine), shard_leases (claim, renew, rel
 commit, fail), recovery_queries (the reaper's and reconciler's steps), conditional (the
 conditional UPDATE they all use), progress_queries (read-only counts for monitoring),
 api_keys and files (the HTTP API's keys and files), answers (the index of stored answers
-that later jobs reuse).
+that later jobs reuse), webhooks (endpoints, and deliveries claimed and settled as above).
 Callers import from `jobs.ledger` itself.
 """
 from jobs.ledger.answers import add_answers, any_answers_of, delete_answers, find_answers
@@ -43,7 +43,8 @@ from jobs.ledger.job_states import (
 )
 from jobs.ledger.files import add_file, delete_file, files_of_job, get_file, list_files
 from jobs.ledger.models import (
-    INPUT_FORMATS, STATS_COLUMNS, Answer, ApiKey, Base, File, Job, JobStatus, Shard, ShardStatus, UTCDateTime, utcnow,
+    INPUT_FORMATS, STATS_COLUMNS, Answer, ApiKey, Base, File, Job, JobStatus, Shard, ShardStatus, UTCDateTime,
+    WebhookDelivery, WebhookEndpoint, utcnow,
 )
 from jobs.ledger.progress_queries import jobs_by_status, live_engine_keys, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
@@ -52,6 +53,10 @@ from jobs.ledger.recovery_queries import (
 )
 from jobs.ledger.shard_leases import (
     claim_shard, commit_shard, fail_shard, note_shard_error, release_shard, renew_lease,
+)
+from jobs.ledger.webhooks import (
+    Claimed, DeliveryStatus, claim_delivery, cli_endpoint, deliveries_of_job, due_deliveries, endpoint_of,
+    key_endpoints, mark_delivered, mark_failed_attempt, notify, record_events, remove_key_endpoint, set_key_endpoint,
 )
 
 __all__ = [
@@ -63,5 +68,9 @@ __all__ = [
     "jobs_by_status", "jobs_of_key", "list_files", "list_jobs", "list_keys", "live_engine_keys", "live_jobs", "live_shards_by_status",
     "make_engine", "note_shard_error", "open_sessions", "Route", "routes", "queued_requests", "queued_shards", "release_shard", "renew_lease", "request_cancel",
     "retake_finalize", "retries_of", "revoke_key", "session_factory", "stale_finalizing_jobs", "stop_reason",
-    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow"
+    "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
+    # webhooks
+    "Claimed", "DeliveryStatus", "WebhookDelivery", "WebhookEndpoint", "claim_delivery", "cli_endpoint",
+    "deliveries_of_job", "due_deliveries", "endpoint_of", "key_endpoints", "mark_delivered", "mark_failed_attempt",
+    "notify", "record_events", "remove_key_endpoint", "set_key_endpoint",
 ]

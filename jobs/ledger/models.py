@@ -1,10 +1,11 @@
-"""The ledger's tables (jobs, shards, stored answers) and the states their rows move through."""
+"""The ledger's tables (jobs, shards, stored answers, webhooks) and the states their rows move through."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
 from sqlalchemy import (
     JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text, TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy import true as sa_true
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -93,7 +94,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Indexed: the webhook sender looks for the jobs that ended lately (jobs.ledger.webhooks).
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
     cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     total_requests: Mapped[int] = mapped_column(Integer, default=0)
@@ -124,6 +126,9 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     # The API key whose request created the job (`pipeline serve`); null for CLI jobs.
     api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    # The endpoint `pipeline submit --notify URL` named (null: none; an API batch's endpoint is
+    # its key's, found through api_key_id).
+    webhook_endpoint_id: Mapped[str | None] = mapped_column(ForeignKey("webhook_endpoints.id"))
 
 
 class Shard(Base):
@@ -194,3 +199,41 @@ class File(Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     # Set when the file was deleted: the row stays (files_of_job still sees it), nothing serves it.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class WebhookEndpoint(Base):
+    """Where a job's end is posted, and the secret that signs it: an API key's endpoint
+    (`pipeline keys webhook NAME URL`; the one live when a batch ends gets its event) or one
+    that CLI jobs name (`pipeline submit --notify URL`: api_key_id null). Rows are never
+    deleted, so deliveries still pending keep their URL and secret when a key's is replaced."""
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    url: Mapped[str] = mapped_column(String)
+    # Kept as given: every delivery is signed with it (a whsec_... Standard Webhooks secret).
+    secret: Mapped[str] = mapped_column(String)
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)   # replaced or removed
+
+
+class WebhookDelivery(Base):
+    """One event (a job's end) to one endpoint: its id is the event's id (webhook-id), one per
+    (job, event type, endpoint), and its body is sent byte for byte on every attempt."""
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (UniqueConstraint("job_id", "type", "endpoint_id"),
+                      Index("ix_webhook_deliveries_status_next", "status", "next_attempt_at"))
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    type: Mapped[str] = mapped_column(String)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id"))
+    payload: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String)
+    # Attempts started: the fencing token of the sender that holds it (jobs.ledger.webhooks).
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    # When it may be tried (next); while one is being sent, when that sender's claim lapses.
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
