@@ -16,7 +16,10 @@ One process (threads or solo pool, `pipeline run`): `serve` starts prometheus_cl
 server on the default registry. Prefork (`pipeline worker --concurrency N`): every process
 writes its values to files in PROMETHEUS_MULTIPROC_DIR (the library's multiprocess mode,
 chosen when prometheus_client is first imported, so the worker command sets it before
-anything imports this module), and the parent's endpoint adds them up.
+anything imports this module), and the parent's endpoint adds them up. One worker per GPU
+(`pipeline worker --gpus`, workers/supervisor.py): each GPU's worker is a process of its own,
+serving its own endpoint on the base port + its GPU's number, its series labelled with its
+node name (worker="<node>-gpu<N>"); nothing is shared between them, and the supervisor serves none.
 """
 from __future__ import annotations
 
