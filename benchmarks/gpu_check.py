@@ -73,7 +73,8 @@ from gpu_report import REPORTED, BudgetExceeded, report  # noqa: E402
 from pipeline import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from pipeline.kernels import cuda_kernels  # noqa: E402
 
-SMALL = dict(kv_cache_gib=0.25, max_num_seqs=16)   # the numerics engines: small pools, few graph buckets
+SMALL = dict(kv_cache_gib=0.25, max_num_seqs=16,   # the numerics engines: small pools, few graph buckets
+             batch_invariant=False)       # CUDA has no batch-invariant kernels yet
 HOST_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "__array__")
 
 

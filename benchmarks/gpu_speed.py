@@ -160,7 +160,8 @@ def check_refill(run) -> None:
         run.tmp / "speed", gpu_models.LLAMA_1B if cuda else gpu_models.SMALL_SPEED, run.tokenizer,
         torch.bfloat16 if cuda else torch.float32, device=run.device)
     engine = Engine(EngineConfig(model=str(model_dir), device=run.device, dtype="bfloat16" if cuda else "float32",
-                                 max_model_len=512, max_num_seqs=seqs, kv_cache_gib=16 if cuda else 1))
+                                 max_model_len=512, max_num_seqs=seqs, kv_cache_gib=16 if cuda else 1,
+                                 batch_invariant=False))   # no CUDA kernels for it yet
     try:
         # The engine's default where graphs were captured; a CPU (no graphs) runs the same groups.
         grouped = engine.scheduler.admission_group if engine.runner.graphs is not None else max(1, seqs // 8)
@@ -190,7 +191,7 @@ def check_overlap(run) -> None:
         torch.bfloat16 if cuda else torch.float32, device=run.device)
     engine = Engine(EngineConfig(model=str(model_dir), device=run.device, dtype="bfloat16" if cuda else "float32",
                                  max_model_len=prompt_len + output_len, max_num_seqs=n,
-                                 kv_cache_gib=16 if cuda else 1))
+                                 kv_cache_gib=16 if cuda else 1, batch_invariant=False))
     prompts, rounds, tokens = workload(n, prompt_len, seed=1), [], {}
     try:
         for overlap in (False, True, False, True):   # 15 s a round at most
@@ -297,7 +298,8 @@ def pipeline_engine(model_dir, device: str, prompts: list[list[int]], output_len
     """The engine run_pipeline times: room for every prompt at once and its output_len tokens."""
     return Engine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
                                max_model_len=len(prompts[0]) + output_len, max_num_seqs=len(prompts),
-                               kv_cache_gib=16 if device == "cuda" else 1, quantization=quantization))
+                               kv_cache_gib=16 if device == "cuda" else 1, quantization=quantization,
+                               batch_invariant=False))
 
 
 def run_pipeline(model_dir, device: str, prompts: list[list[int]], output_len: int, deadline: float,
