@@ -1,11 +1,13 @@
-"""Commands of the HTTP API: serve, and keys add / list / revoke."""
+"""Commands of the HTTP API: serve, and keys add / list / revoke / webhook."""
 from __future__ import annotations
 
 import click
 
 from cli.errors import EXIT_USAGE, Fail
-from cli.job_commands import SERVED_MODEL_NAME, check_broker, check_model, sessions
+from cli.dry_run import check_model
+from cli.job_commands import SERVED_MODEL_NAME, check_broker, sessions
 from cli.options import engine_options, settings_options
+from cli.webhooks import check_url_param
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -102,11 +104,13 @@ def keys_list_command(settings):
 
     with sessions(settings)() as s:
         keys = ledger.list_keys(s)
+        webhooks = ledger.key_endpoints(s)
     if not keys:
         click.echo("no keys yet (`pipeline keys add NAME`)")
     for key in keys:
         revoked = f"revoked {key.revoked_at:%Y-%m-%d %H:%M:%S}" if key.revoked_at else "live"
-        click.echo(f"{key.id}  {key.name}  created {key.created_at:%Y-%m-%d %H:%M:%S}  {revoked}")
+        webhook = f"  webhook {webhooks[key.id].url}" if key.id in webhooks else ""
+        click.echo(f"{key.id}  {key.name}  created {key.created_at:%Y-%m-%d %H:%M:%S}  {revoked}{webhook}")
 
 
 @keys_group.command("revoke")
@@ -121,3 +125,33 @@ def keys_revoke_command(name_or_id, settings):
     if key is None:
         raise Fail(f"no live key named {name_or_id!r} (see `pipeline keys list`)", EXIT_USAGE)
     click.echo(f"key {key.id} ({key.name}) revoked")
+
+
+@keys_group.command("webhook")
+@click.argument("name_or_id", callback=_ledger_text)
+@click.argument("url", required=False, callback=check_url_param)
+@click.option("--remove", is_flag=True, help="Post nothing more for this key's batches (URL not given).")
+@settings_options()
+def keys_webhook_command(name_or_id, url, remove, settings):
+    """POST the end of each batch of the key to URL, as OpenAI posts batch webhooks: events
+    batch.completed, .failed, .expired and .cancelled, signed as Standard Webhooks sign them.
+    Prints only the endpoint's secret (whsec_...) on stdout, once: give it to the receiver
+    (openai's client.webhooks.unwrap verifies with it). Replaces the key's endpoint and secret;
+    events already made still go to the old one."""
+    from jobs import ledger
+
+    if remove == (url is not None):
+        raise click.UsageError("give URL, or --remove")
+    with sessions(settings)() as s:
+        if remove:
+            key = ledger.remove_key_endpoint(s, name_or_id)
+        else:
+            key, endpoint = ledger.set_key_endpoint(s, name_or_id, url) or (None, None)
+    if key is None:
+        raise Fail(f"no live key named {name_or_id!r} (see `pipeline keys list`)", EXIT_USAGE)
+    if remove:
+        click.echo(f"key {key.id} ({key.name}): no webhook any more")
+        return
+    click.echo(f"key {key.id} ({key.name}): batches post their end to {url}; the secret is shown only now",
+               err=True)
+    click.echo(endpoint.secret)

@@ -10,20 +10,21 @@ from cli.errors import EXIT_USAGE, Fail
 
 
 def report_dry_run(settings: Settings, file, engine_options: dict, served_model_names, reuse: bool,
-                   as_json: bool, engine_here: bool) -> None:
+                   as_json: bool, engine_here: bool, columns=None) -> None:
     """Say what the job of FILE would do, creating nothing; a bad file fails as a submit does (exit 2).
     engine_here: the job's engine would be built here from its options (`pipeline run`); a
     submitted job runs on the workers' engines, built from their own (their KV caches are theirs)."""
     from jobs.dry_run import dry_run
     from jobs.input.line_checks import InvalidInput
 
+    check_model(engine_options.get("model"))
     if file == "-":
         raise Fail("--dry-run needs a file: standard input can be read only once", EXIT_USAGE)
     model = engine_options.get("model")
     try:
         result = dry_run(file, engine_options=engine_options, model_names=tuple(served_model_names) or model,
                          database_url=settings.database_url, root=settings.data_dir, reuse=reuse,
-                         engine_here=engine_here)
+                         engine_here=engine_here, columns=columns)
     except InvalidInput as e:
         raise Fail(e.validation.describe(file, "nothing was created (a dry run creates nothing anyway)"),
                    EXIT_USAGE) from None
@@ -63,3 +64,15 @@ def report_dry_run(settings: Settings, file, engine_options: dict, served_model_
 
 def _seconds(s: float) -> str:
     return f"{s:,.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def check_model(model: str | None) -> None:
+    """A model that is not the bundled one must be a loadable local directory: refused here
+    (exit 2, nothing created) rather than failing on every worker."""
+    from pipeline.models.model_dir import check_model_dir, is_bundled
+
+    if not is_bundled(model):
+        try:
+            check_model_dir(model)
+        except ValueError as e:
+            raise Fail(str(e), EXIT_USAGE) from None

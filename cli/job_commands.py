@@ -13,9 +13,11 @@ from cli import render
 from cli.errors import (
     EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail,
 )
-from cli.dry_run import report_dry_run
-from cli.options import FiniteFloat, engine_options, settings_options
+from cli.dry_run import check_model, report_dry_run
+from cli.gpus import GPUS, gpus_for_run
+from cli.options import FiniteFloat, engine_options, settings_options, table_columns
 from cli.running import run_here, wait_until_completed
+from cli.webhooks import notify_options, notifying
 
 
 # FILE may be "-": standard input, read once into the job's own copy.
@@ -78,6 +80,7 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 @click.command("submit")
 @click.argument("file", type=INPUT_FILE)
 @engine_options
+@table_columns
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @PRIORITY
 @COMPLETION_WINDOW
@@ -88,11 +91,12 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 @click.option("--wait", is_flag=True, help="Show progress until the job ends; exit 1 unless it completed.")
 @SERVED_MODEL_NAME
 @NO_REUSE
+@notify_options
 @DRY_RUN
 @JSON_OUTPUT
 @settings_options("broker_url", "max_queued_requests")
-def submit_command(file, engine_options, shard_size, priority, completion_window, request_timeout,
-                   wait_for_capacity, wait, served_model_names, no_reuse, dry_run, as_json, settings):
+def submit_command(file, engine_options, columns, shard_size, priority, completion_window, request_timeout,
+                   wait_for_capacity, wait, served_model_names, no_reuse, notify, dry_run, as_json, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -100,15 +104,14 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
     is refused (exit 4, nothing created) or, with --wait-for-capacity, waits for room.
     """
     if dry_run:
-        check_model(engine_options.get("model"))
         return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
-                              engine_here=False)
+                              engine_here=False, columns=columns)
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
                       request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
-                      queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse)
-    job = _submit(Session, settings, lambda: _create_job(Session, settings, file, engine_options, shard_size,
-                                                         scheduling, wait_for_capacity=wait_for_capacity))
+                      queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse, columns=columns)
+    job = _submit(Session, settings, notifying(Session, notify, lambda: _create_job(
+        Session, settings, file, engine_options, shard_size, scheduling, wait_for_capacity=wait_for_capacity)))
     click.echo(job.id)
     if wait:
         wait_until_completed(Session, job.id)
@@ -117,15 +120,17 @@ def submit_command(file, engine_options, shard_size, priority, completion_window
 @click.command("run")
 @click.argument("file", type=INPUT_FILE)
 @engine_options
+@table_columns
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @REQUEST_TIMEOUT
 @SERVED_MODEL_NAME
 @NO_REUSE
 @DRY_RUN
 @JSON_OUTPUT
+@GPUS
 @settings_options("shards_in_flight", "metrics_port")
-def run_command(file, engine_options, shard_size, request_timeout, served_model_names, no_reuse, dry_run, as_json,
-                settings):
+def run_command(file, engine_options, columns, shard_size, request_timeout, served_model_names, no_reuse, dry_run,
+                as_json, gpus, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -134,16 +139,15 @@ def run_command(file, engine_options, shard_size, request_timeout, served_model_
     (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
     """
     if dry_run:
-        check_model(engine_options.get("model"))
         return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
-                              engine_here=True)
-    serve_metrics(settings)
+                              engine_here=True, columns=columns)
+    gpu_list = gpus_for_run(gpus, engine_options, settings)   # and the metrics served here, unless per GPU
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
                                 dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names),
-                                     reuse=not no_reuse))
+                                     reuse=not no_reuse, columns=columns))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
-    run_here(Session, settings, job_id, engine_options)
+    run_here(Session, settings, job_id, engine_options, gpus=gpu_list)
 
 
 @click.command("retry")
@@ -290,18 +294,6 @@ def serve_metrics(settings: Settings) -> None:
         metrics.serve(settings.metrics_port)
     except OSError as e:
         raise Fail(f"cannot serve metrics on port {settings.metrics_port}: {e}", EXIT_USAGE) from None
-
-
-def check_model(model: str | None) -> None:
-    """A model that is not the bundled one must be a loadable local directory: refused here
-    (exit 2, nothing created) rather than failing on every worker."""
-    from pipeline.models.model_dir import check_model_dir, is_bundled
-
-    if not is_bundled(model):
-        try:
-            check_model_dir(model)
-        except ValueError as e:
-            raise Fail(str(e), EXIT_USAGE) from None
 
 
 def check_broker(settings: Settings) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from cli.errors import EXIT_USAGE, Fail
+from cli.gpus import GPUS, NODE_NAME, chosen_gpus, supervise_workers
 from cli.job_commands import check_broker, serve_metrics, sessions
 from cli.options import engine_options, served_engine_options, settings_options
 
@@ -22,9 +23,11 @@ from cli.options import engine_options, served_engine_options, settings_options
               help="Engine processes (prefork), each running one shard at a time; 1 (the default) "
                    "runs one engine in this process with --shards-in-flight shards sharing it.")
 @click.option("--loglevel", default="info", show_default=True)
+@GPUS
+@NODE_NAME
 @served_engine_options
 @settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format")
-def worker_command(concurrency, loglevel, served_engines, settings):
+def worker_command(concurrency, loglevel, gpus, node_name, served_engines, settings):
     """Start a Celery worker that runs the shards of jobs for its engine, loaded at start-up.
 
     A worker serves one engine: --model DIR with the engine options given (the bundled
@@ -38,9 +41,16 @@ def worker_command(concurrency, loglevel, served_engines, settings):
     With one process, its shards in flight are Celery threads that feed one engine, so
     the next shard's requests run beside the last requests of the one finishing. It sends
     task events, so Flower (`celery -A workers.app flower`) shows every shard task.
+
+    On a GPU machine it starts one worker per GPU (--gpus), each a process of its own pinned
+    to its GPU, named <node>-gpu<N>, serving metrics on --metrics-port + N; it restarts one
+    that dies, and on SIGTERM stops them all as one worker stops (exit 0 once all did).
     """
     if served_engines:
         settings = dataclasses.replace(settings, worker_engines=json.dumps(served_engines))
+    gpu_list = chosen_gpus(gpus, settings.served_engine_options())
+    if gpu_list:
+        return supervise_workers(gpu_list, node_name, loglevel, settings)
     made_dir = None
     if concurrency > 1 and settings.metrics_port:
         made_dir = _metrics_across_processes()   # before anything imports prometheus_client
@@ -64,9 +74,10 @@ def worker_command(concurrency, loglevel, served_engines, settings):
     # Workers share nothing but the ledger: no gossip or mingle. Event heartbeats stay on so
     # that Flower sees the workers alive; --quiet drops the banner, which is not a log line.
     quiet = ["--quiet"] if settings.log_format == "json" else []
+    named = [f"--hostname={node_name}"] if node_name else []
     try:
         app.worker_main([*quiet, "worker", f"--loglevel={loglevel}", f"--concurrency={slots}", f"--pool={pool}",
-                         "--without-gossip", "--without-mingle"])
+                         *named, "--without-gossip", "--without-mingle"])
     finally:
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)

@@ -56,6 +56,24 @@ _SETTING_OPTIONS = {
 }
 
 
+def table_columns(f):
+    """--id-column and --prompt-column: the columns of a Parquet FILE that make each row's id
+    and prompt, passed as `columns` (a jobs.input.request_source.TableColumns, None if neither given)."""
+    @functools.wraps(f)
+    def wrapper(*args, id_column, prompt_column, **kwargs):
+        from jobs.input.request_source import TableColumns
+
+        given = id_column is not None or prompt_column is not None
+        return f(*args, columns=TableColumns(id_column, prompt_column) if given else None, **kwargs)
+
+    wrapper = click.option("--prompt-column", metavar="NAME",
+                           help="A Parquet FILE: the string column that is each row's prompt (rather than a "
+                                "messages column or the OpenAI batch columns)  [default: prompt]")(wrapper)
+    return click.option("--id-column", metavar="NAME",
+                        help="A Parquet FILE: the string column that is each row's id  [default: id; without "
+                             "one, row-NNNNNN]")(wrapper)
+
+
 def _remember(ctx: click.Context, param: click.Parameter, value):
     if value is not None:
         ctx.ensure_object(dict)[param.name] = value
@@ -140,6 +158,13 @@ _ENGINE_OPTIONS = {
                                "host's scheduling runs while the GPU computes; same greedy and seeded output "
                                "(off with --speculative; a step with prompt logprobs waits)  "
                                "[default: on on CUDA, off on a CPU]"),
+    "batch_invariant": dict(flag="--batch-invariance/--no-batch-invariance", envvar="PIPELINE_BATCH_INVARIANCE",
+                            help="A greedy or seeded request gets the same tokens and logprobs, bit for bit, "
+                                 "whatever shares its batch, however its prompt is chunked, with or without the "
+                                 "prefix cache or speculation: the answer kept for reuse is the answer a rerun "
+                                 "computes. CPU only for now: on a GPU node give --no-batch-invariance, or set "
+                                 "PIPELINE_BATCH_INVARIANCE=false for every command there (docs/gpu.md)  "
+                                 "[default: on]"),
 }
 _SCALARS = {"str": str, "int": int, "float": float}
 

@@ -11,6 +11,7 @@ from cli.errors import EXIT_USAGE, Fail
 from jobs.ledger.statuses import JobStatus, ShardStatus
 from cli.job_commands import check_job_id, get_job, sessions, waiting_for_worker, worker_command_for
 from cli.options import settings_options
+from cli.webhooks import print_deliveries
 
 
 @click.command("status")
@@ -42,6 +43,7 @@ def status_command(job_id, as_json, settings):
                              waiting=True)
         else:
             render.print_job(job, counts[job_id], render.next_step(job, shards, now, retries))
+        print_deliveries(Session, job)
     else:
         render.print_jobs(jobs, waiting=_waiting_for_workers(settings, jobs))
 

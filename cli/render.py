@@ -134,9 +134,14 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
     from rich.console import Console
     from rich.table import Table
 
+    from pipeline.engine_key import ran_batch_invariant
+
     table = Table("field", "value", title=f"job {job.id}")
     status = f"{job.status}, waiting for a worker of its engine" if waiting else job.status
+    invariant = ran_batch_invariant(job.engine_options or {}, job.engine_key)
     rows = [("status", status), ("model", job.model), ("engine", job.engine_key or "-"),
+            ("batch invariance", "on: greedy and seeded answers do not depend on the rest of the batch"
+             if invariant else "off: an answer may differ in its last bits with what shared its batch"),
             ("input", job.input_path), ("results", job.results_path),
             ("requests", f"{job.completed_requests} completed, {job.failed_requests} failed, "
                          f"{job.total_requests} total"

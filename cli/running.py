@@ -10,13 +10,18 @@ from cli import render
 from cli.errors import EXIT_INTERRUPTED, EXIT_JOB_NOT_COMPLETED, EXIT_TERMINATED, Fail
 
 
-def run_here(Session, settings: Settings, job_id: str, engine_options: dict) -> None:
-    """Run a job's shards in this process until it ends, with a progress bar and a summary.
+def run_here(Session, settings: Settings, job_id: str, engine_options: dict, gpus: list = ()) -> None:
+    """Run a job's shards in this process until it ends, with a progress bar and a summary;
+    with gpus (cli.gpus.gpus_for_run), in one child process per GPU instead.
 
     Ctrl-C or SIGTERM stop it at the next engine step: the job is cancelled, what finished is kept.
     """
     from jobs import ledger
     from workers import local_run
+
+    if gpus:
+        from cli.gpus import run_on_gpus
+        return run_on_gpus(Session, settings, job_id, list(gpus))
 
     root = settings.data_dir
     with Session() as s:
