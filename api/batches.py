@@ -13,6 +13,7 @@ from api.auth import caller
 from api.batch_files import output_file_ids
 from api.errors import ApiError, not_found
 from api.files import invalid_input, owned_file, page
+from api.retention import ExpiresAfter
 from jobs import ledger
 from jobs.input.validation import InvalidInput
 from jobs.ledger import JobStatus
@@ -34,6 +35,9 @@ class BatchRequest(BaseModel):
     completion_window: str
     # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    # How long the output and error files are kept from their creation (the batch's end); then
+    # they answer 404 and the recovery sweep deletes them with the results. Default: PIPELINE_KEEP_RESULTS.
+    output_expires_after: ExpiresAfter | None = None
 
 
 def _check_storable(body: BatchRequest) -> None:
@@ -102,7 +106,8 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         engine_options=config.engine_options, shard_size=config.shard_size, limits=config.limits,
         metadata=body.metadata, completion_window=body.completion_window, api_key_id=key.id, priority=priority,
         max_queued_requests=config.settings.max_queued_requests or None, queue=config.settings.queue,
-        endpoint=body.endpoint, served_names=config.served_names)
+        endpoint=body.endpoint, served_names=config.served_names,
+        keep_seconds=body.output_expires_after.seconds if body.output_expires_after else config.settings.keep_results_s())
     try:
         job = submit(config.settings, config.Session, create)
     except InvalidInput as e:   # it was valid when uploaded: only a new --model can make it invalid

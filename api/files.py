@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import caller
 from api.errors import ApiError, not_found
+from api.retention import form_expires_after
 from api.uploads import receive_upload
 from jobs import ledger
 from jobs.input import file_scan
@@ -28,7 +29,7 @@ def file_object(row: ledger.File) -> dict:
     """The OpenAI FileObject of a file row."""
     return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(row.created_at.timestamp()),
             "filename": row.filename, "purpose": row.purpose, "status": "processed", "status_details": None,
-            "expires_at": None}
+            "expires_at": int(row.expires_at.timestamp()) if row.expires_at else None}
 
 
 def owned_file(request: Request, key: ledger.ApiKey, file_id: str) -> ledger.File:
@@ -61,6 +62,8 @@ async def upload_file(request: Request, key: ledger.ApiKey = Depends(caller)):
         if upload.fields.get("purpose") != "batch":
             raise ApiError(400, f"purpose must be 'batch', got {upload.fields.get('purpose')!r} (this server runs "
                                 "batches only)", param="purpose")
+        created_at = ledger.utcnow()
+        expires_at = form_expires_after(upload.fields, created_at)
         validation = await run_in_threadpool(file_scan.validate, path, config.limits, model=config.model_names)
         if not validation.ok:
             raise invalid_input(upload.filename, validation, "nothing was uploaded")
@@ -68,7 +71,8 @@ async def upload_file(request: Request, key: ledger.ApiKey = Depends(caller)):
         def record():
             with config.Session() as s:
                 return ledger.add_file(s, id=file_id, api_key_id=key.id, purpose="batch",
-                                       filename=upload.filename, bytes=upload.size)
+                                       filename=upload.filename, bytes=upload.size, created_at=created_at,
+                                       expires_at=expires_at)
         row = await run_in_threadpool(record)
     except BaseException:
         path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from cli.errors import (
 from cli.dry_run import check_model, report_dry_run
 from cli.gpus import GPUS, gpus_for_run
 from cli.options import FiniteFloat, engine_options, settings_options, table_columns
+from cli.retention import KEEP, keep_seconds
 from cli.running import run_here, wait_until_completed
 from cli.webhooks import notify_options, notifying
 
@@ -85,6 +86,7 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 @PRIORITY
 @COMPLETION_WINDOW
 @REQUEST_TIMEOUT
+@KEEP
 @click.option("--wait-for-capacity", is_flag=True,
               help="When PIPELINE_MAX_QUEUED_REQUESTS would be passed, wait until there is room "
                    "instead of refusing the job (exit 4).")
@@ -95,7 +97,7 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 @DRY_RUN
 @JSON_OUTPUT
 @settings_options("broker_url", "max_queued_requests")
-def submit_command(file, engine_options, columns, shard_size, priority, completion_window, request_timeout,
+def submit_command(file, engine_options, columns, shard_size, priority, completion_window, request_timeout, keep,
                    wait_for_capacity, wait, served_model_names, no_reuse, notify, dry_run, as_json, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
@@ -109,7 +111,8 @@ def submit_command(file, engine_options, columns, shard_size, priority, completi
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
                       request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
-                      queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse, columns=columns)
+                      queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse, columns=columns,
+                      keep_seconds=keep_seconds(keep, settings))
     job = _submit(Session, settings, notifying(Session, notify, lambda: _create_job(
         Session, settings, file, engine_options, shard_size, scheduling, wait_for_capacity=wait_for_capacity)))
     click.echo(job.id)
@@ -123,13 +126,14 @@ def submit_command(file, engine_options, columns, shard_size, priority, completi
 @table_columns
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @REQUEST_TIMEOUT
+@KEEP
 @SERVED_MODEL_NAME
 @NO_REUSE
 @DRY_RUN
 @JSON_OUTPUT
 @GPUS
 @settings_options("shards_in_flight", "metrics_port")
-def run_command(file, engine_options, columns, shard_size, request_timeout, served_model_names, no_reuse, dry_run,
+def run_command(file, engine_options, columns, shard_size, request_timeout, keep, served_model_names, no_reuse, dry_run,
                 as_json, gpus, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
@@ -145,7 +149,7 @@ def run_command(file, engine_options, columns, shard_size, request_timeout, serv
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
                                 dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names),
-                                     reuse=not no_reuse, columns=columns))
+                                     reuse=not no_reuse, columns=columns, keep_seconds=keep_seconds(keep, settings)))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
     run_here(Session, settings, job_id, engine_options, gpus=gpu_list)
 

@@ -105,7 +105,8 @@ def recover_command(settings):
     """One recovery pass (workers run it every PIPELINE_RECOVERY_INTERVAL s; use this from cron).
 
     Re-enqueues shards of dead workers and shards the broker lost, writes error rows for
-    shards out of attempts, and finalizes jobs left unfinished. Prints what it did as JSON.
+    shards out of attempts, finalizes jobs left unfinished, and deletes the results and files
+    past their keep (--keep, PIPELINE_KEEP_RESULTS, expires_after). Prints what it did as JSON.
     """
     from jobs import ledger
     from workers.recovery import recover_with_broker

@@ -85,7 +85,10 @@ def settings_options(*names: str):
         @click.pass_context
         @functools.wraps(f)
         def wrapper(ctx: click.Context, *args, **kwargs):
-            ctx.obj = Settings.from_env(**ctx.ensure_object(dict))
+            try:
+                ctx.obj = Settings.from_env(**ctx.ensure_object(dict))
+            except ValueError as e:   # a malformed PIPELINE_* variable (PIPELINE_KEEP_RESULTS=7x): exit 2
+                raise click.UsageError(str(e)) from None
             return f(*args, settings=ctx.obj, **kwargs)
 
         for name in reversed(("data_dir", "database_url", *names)):

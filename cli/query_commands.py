@@ -97,6 +97,8 @@ def results_command(job_id, export, fmt, output_file, error_file, force, setting
     results_dir = job_paths.results_dir
     if note := render.not_ended_note(job):
         click.echo(note, err=True)
+    if job.results_expired_at is not None:   # retention deleted them (cli.retention)
+        raise Fail(f"the results of job {job_id} expired at {job.results_expired_at:%Y-%m-%d %H:%M:%S} and were deleted")
     if error_file and fmt != "openai":  # the pipeline format has one file; an ignored option would mislead
         raise click.UsageError("--error-file is for --format openai")
     output_file = output_file or export

@@ -134,6 +134,7 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
     from rich.console import Console
     from rich.table import Table
 
+    from cli.retention import results_line
     from pipeline.engine_key import ran_batch_invariant
 
     table = Table("field", "value", title=f"job {job.id}")
@@ -158,6 +159,7 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
               if job.embedding_vectors else []),
             ("priority", job.priority),
             ("deadline", deadline(job, with_window=True)),
+            *([kept] if (kept := results_line(job)) else []),
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),
             ("wall s", _num(job.wall_seconds)), ("output tok/s", _num(job.output_tok_s)),
             ("latency p50/p95/p99 s", "/".join(_num(v) for v in (job.latency_p50, job.latency_p95, job.latency_p99))),

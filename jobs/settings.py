@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from jobs.paths import default_database_url
+from jobs.scheduling import parse_keep
 
 
 LOG_FORMATS = ("text", "json")
@@ -60,6 +61,9 @@ class Settings:
     # Seconds before a failed webhook delivery is tried again; each next wait is twice as long
     # (at most an hour), for a day (jobs.webhooks.retry_delay).
     webhook_backoff_s: float = _setting("PIPELINE_WEBHOOK_BACKOFF_SECONDS", 10.0)
+    # How long a job's results are kept once it ended when it names no keep of its own
+    # (`--keep`, a batch's output_expires_after), e.g. "30d"; empty: for ever (jobs.results.retention).
+    keep_results: str = _setting("PIPELINE_KEEP_RESULTS", "")
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here
@@ -73,8 +77,17 @@ class Settings:
                 raise ValueError(f"{f.metadata['env']} must be a finite number, got {value}")
         if self.webhook_backoff_s <= 0:
             raise ValueError(f"PIPELINE_WEBHOOK_BACKOFF_SECONDS must be more than 0, got {self.webhook_backoff_s}")
+        if self.keep_results:
+            try:
+                parse_keep(self.keep_results)
+            except ValueError as e:
+                raise ValueError(f"PIPELINE_KEEP_RESULTS: {e}") from None
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"PIPELINE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+
+    def keep_results_s(self) -> int | None:
+        """PIPELINE_KEEP_RESULTS in seconds; None: results are kept for ever."""
+        return parse_keep(self.keep_results) if self.keep_results else None
 
     def queue_for(self, engine_key: str, prefix: str | None = None) -> str:
         """The broker queue of one engine key (pipeline.engine_key): `<queue>.<key>`, e.g.

@@ -39,8 +39,9 @@ def create_job_from_file(
     api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s,
     max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on), endpoint (the
     url every OpenAI line must have, else EndpointMismatch), served_names (the names a
-    line's body.model may use instead of the model's own: --served-model-name) and columns
-    (a Parquet table's columns that make its lines: jobs.input.request_source.TableColumns).
+    line's body.model may use instead of the model's own: --served-model-name), columns
+    (a Parquet table's columns that make its lines: jobs.input.request_source.TableColumns)
+    and keep_seconds (how long its results are kept once it ended: jobs.results.retention).
 
     Returns (job_id, requests per shard). Raises InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
@@ -89,7 +90,8 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
                 queue: str | None = None, endpoint: str | None = None,
-                served_names: tuple[str, ...] = (), reuse: bool = True, columns=None) -> tuple[str, list[int]]:
+                served_names: tuple[str, ...] = (), reuse: bool = True, columns=None,
+                keep_seconds: int | None = None) -> tuple[str, list[int]]:
     check_shard_size(shard_size)
     job_paths = JobPaths(root, job_id)
     try:
@@ -116,7 +118,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
                 completion_window=completion_window, api_key_id=api_key_id, priority=priority,
                 request_timeout_s=request_timeout_s, queue=queue, reuse=reuse, engine_fingerprint=engine,
-                answer_scope=scope)
+                answer_scope=scope, keep_seconds=keep_seconds)
     except BaseException:
         _remove_unmade(job_paths)
         raise
@@ -194,7 +196,7 @@ def create_retry_job(
 
     The new job has the same ids, the same normalised lines (so the same parameters)
     read from the input shards, the same model and engine options, and metadata
-    {"retry_of": job_id}, and the old job's priority, request timeout and completion window
+    {"retry_of": job_id}, and the old job's priority, request timeout, keep and completion window
     (a new window from now) unless priority or completion_window are given; queue: the
     PIPELINE_QUEUE prefix the new job is sent on (None: run in-process). Returns (new job id, requests per shard). Raises ValueError if
     job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
@@ -211,6 +213,9 @@ def create_retry_job(
     if old.status not in JobStatus.terminal():
         raise ValueError(f"job {job_id} is {old.status}; only an ended job can be retried "
                          f"(`pipeline resume {job_id}` finishes it in place)")
+    if old.results_expired_at is not None:   # which requests it answered went with its results
+        raise ValueError(f"the results of job {job_id} expired at {old.results_expired_at:%Y-%m-%d %H:%M:%S} (its keep "
+                         "passed); submit its file again instead")
     shard_size = shard_size or old.shard_size
     check_shard_size(shard_size)
     old_paths = JobPaths(root, job_id)
@@ -247,7 +252,7 @@ def create_retry_job(
                 priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
                 # fingerprinted afresh: the retry runs on the model files as they are now
                 reuse=old.reuse, engine_fingerprint=engine_fingerprint(old.engine_options),
-                answer_scope=old.answer_scope,
+                answer_scope=old.answer_scope, keep_seconds=old.keep_seconds,
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         _remove_unmade(new_paths)

@@ -19,7 +19,11 @@ nobody is working on any more although they are not finished:
   worker holds it, and finalized: it ends "expired";
 * a job whose shards all ended but whose finalizer died is finalized here;
   shards of a cancelling job that went back to queued are cancelled;
-* result files of attempts that can never commit are removed from results/_tmp.
+* result files of attempts that can never commit are removed from results/_tmp;
+* retention: the results of jobs past their keep (`--keep`, output_expires_after,
+  PIPELINE_KEEP_RESULTS), with their index entries and batch output files, and API files
+  past their expires_at are deleted (jobs.results.retention.expire_results, `pipeline gc`'s
+  deletion); the job row stays, marked results_expired_at.
 * (beside it) jobs that ended with a webhook endpoint get their events posted
   (workers.webhook_sender): by a thread of their own on a worker, after the pass in
   `pipeline recover`.
@@ -42,6 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger
 from jobs.results.finalize import finalize_job, refinalize_job
+from jobs.results.retention import expire_results
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.scheduling import DEFAULT_PRIORITY
@@ -92,11 +97,12 @@ def recover(
 
     The report: expired (jobs whose completion window passed, now expiring), requeued (expired leases, re-enqueued), exhausted (committed as failed
     with error rows), cancelled (queued shards of cancelling jobs), reenqueued
-    (reconciled), finalized (job ids), tmp_removed (files), errors (messages).
+    (reconciled), finalized (job ids), tmp_removed (files), results_expired (jobs whose
+    results went, their keep passed), files_expired (API files past their expires_at), errors (messages).
     """
     worker_name = worker_name or f"reaper@{socket.gethostname()}:{os.getpid()}"
     report: dict = {"expired": [], "requeued": [], "exhausted": [], "cancelled": [], "reenqueued": [],
-                    "finalized": [], "tmp_removed": 0, "errors": []}
+                    "finalized": [], "tmp_removed": 0, "results_expired": [], "files_expired": [], "errors": []}
     touched: set[str] = set()
 
     # jobs past their completion window, even those no worker holds: queued shards never
@@ -167,6 +173,9 @@ def recover(
         active = ledger.active_jobs(s)
     for job_id in sorted(set(active) | touched | set(report["finalized"])):
         report["tmp_removed"] += _guard(report, job_id, sweep_tmp, Session, root, job_id) or 0
+
+    # retention: what is past its keep
+    report.update(_guard(report, "retention", expire_results, Session, root) or {})
     return report
 
 

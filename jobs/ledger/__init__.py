@@ -31,7 +31,7 @@ migrations), job_states (the job state machine), shard_leases (claim, renew, rel
 commit, fail), recovery_queries (the reaper's and reconciler's steps), conditional (the
 conditional UPDATE they all use), progress_queries (read-only counts for monitoring),
 api_keys and files (the HTTP API's keys and files), answers (the index of stored answers
-that later jobs reuse), webhooks (endpoints, and deliveries claimed and settled as above).
+that later jobs reuse), retention_queries (results past their keep), webhooks (endpoints, and deliveries claimed and settled as above).
 Callers import from `jobs.ledger` itself.
 """
 from jobs.ledger.answers import add_answers, any_answers_of, delete_answers, find_answers
@@ -41,7 +41,7 @@ from jobs.ledger.job_states import (
     count_error_rows, create_job, expire_if_due, finish_job, get_job, get_shard, get_shards, is_cancelling, job_as_dict, job_counts, jobs_of_key,
     list_jobs, queued_requests, request_cancel, retries_of, stop_reason, try_finalize,
 )
-from jobs.ledger.files import add_file, delete_file, files_of_job, get_file, list_files
+from jobs.ledger.files import add_file, delete_file, expired_files, file_expired, files_of_job, get_file, list_files
 from jobs.ledger.models import (
     INPUT_FORMATS, STATS_COLUMNS, Answer, ApiKey, Base, File, Job, JobStatus, Shard, ShardStatus, UTCDateTime,
     WebhookDelivery, WebhookEndpoint, utcnow,
@@ -51,6 +51,7 @@ from jobs.ledger.recovery_queries import (
     Route, active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize, routes,
     stale_finalizing_jobs, take_over_expired, touch_queued, unfinalized_jobs,
 )
+from jobs.ledger.retention_queries import mark_results_expired, results_due, results_expire_at
 from jobs.ledger.shard_leases import (
     claim_shard, commit_shard, fail_shard, note_shard_error, release_shard, renew_lease,
 )
@@ -73,4 +74,6 @@ __all__ = [
     "Claimed", "DeliveryStatus", "WebhookDelivery", "WebhookEndpoint", "claim_delivery", "cli_endpoint",
     "deliveries_of_job", "due_deliveries", "endpoint_of", "key_endpoints", "mark_delivered", "mark_failed_attempt",
     "notify", "record_events", "remove_key_endpoint", "set_key_endpoint",
+    # retention
+    "expired_files", "file_expired", "mark_results_expired", "results_due", "results_expire_at",
 ]

@@ -1,7 +1,7 @@
 """The rows of the HTTP API's files (the bytes live under the data root: jobs.paths.file_path)."""
 from __future__ import annotations
 
-from sqlalchemy import select, tuple_, update
+from sqlalchemy import or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -22,10 +22,24 @@ def add_file(s: Session, **columns) -> File | None:
 
 
 def get_file(s: Session, file_id: str) -> File | None:
-    """The file with that id; None if there is none or it was deleted."""
+    """The file with that id; None if there is none, it was deleted or it expired (its
+    expires_at passed, even before the recovery sweep deleted it)."""
     row = s.get(File, file_id, populate_existing=True)
     s.commit()
-    return None if row is None or row.deleted_at is not None else row
+    return None if row is None or row.deleted_at is not None or file_expired(row) else row
+
+
+def file_expired(row: File, now=None) -> bool:
+    """Whether the file's expires_at has passed."""
+    return row.expires_at is not None and row.expires_at <= (now or utcnow())
+
+
+def expired_files(s: Session, now=None) -> list[str]:
+    """The ids of the files past their expires_at that are not deleted yet."""
+    ids = list(s.scalars(select(File.id).where(File.deleted_at.is_(None), File.expires_at.is_not(None),
+                                               File.expires_at <= (now or utcnow()))))
+    s.commit()
+    return ids
 
 
 def files_of_job(s: Session, job_id: str) -> list[File]:
@@ -40,7 +54,8 @@ def list_files(s: Session, api_key_id: str | None, *, purpose: str | None = None
                limit: int = 100, newest_first: bool = True) -> list[File]:
     """A key's files, newest first (or oldest), those after `after` in that order only."""
     order = (File.created_at.desc(), File.id.desc()) if newest_first else (File.created_at, File.id)
-    stmt = select(File).where(File.api_key_id == api_key_id, File.deleted_at.is_(None))
+    stmt = select(File).where(File.api_key_id == api_key_id, File.deleted_at.is_(None),
+                              or_(File.expires_at.is_(None), File.expires_at > utcnow()))
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
     if after is not None:

@@ -19,7 +19,7 @@ def create_job(
     shard_sizes: list[int], completion_window: str | None = None, metadata: dict | None = None,
     engine_key: str | None = None, api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
     request_timeout_s: float | None = None, queue: str | None = None, reuse: bool = True,
-    engine_fingerprint: str | None = None, answer_scope: str | None = None,
+    engine_fingerprint: str | None = None, answer_scope: str | None = None, keep_seconds: int | None = None,
 ) -> Job:
     """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
     the engine its shards need (pipeline.engine_key), which routes them to a queue;
@@ -41,7 +41,7 @@ def create_job(
         completion_window=completion_window, metadata_=metadata, api_key_id=api_key_id,
         total_requests=sum(shard_sizes), priority=priority, request_timeout_s=request_timeout_s,
         reuse=reuse, engine_fingerprint=engine_fingerprint, answer_scope=answer_scope,
-        created_at=now, expires_at=expires_at,
+        created_at=now, expires_at=expires_at, keep_seconds=keep_seconds,
     )
     s.add(job)
     s.flush()  # the job row must exist before its shards reference it

@@ -129,6 +129,11 @@ class Job(Base):
     # The endpoint `pipeline submit --notify URL` named (null: none; an API batch's endpoint is
     # its key's, found through api_key_id).
     webhook_endpoint_id: Mapped[str | None] = mapped_column(ForeignKey("webhook_endpoints.id"))
+    # Retention (jobs.results.retention): how long its results are kept once it ended (--keep, a
+    # batch's output_expires_after, PIPELINE_KEEP_RESULTS; null: for ever), and when the recovery
+    # sweep deleted them (the row stays, with its counts).
+    keep_seconds: Mapped[int | None] = mapped_column(Integer)
+    results_expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Shard(Base):
@@ -199,6 +204,9 @@ class File(Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     # Set when the file was deleted: the row stays (files_of_job still sees it), nothing serves it.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # When it goes (an upload's expires_after, a batch output's output_expires_after): past it
+    # nothing serves it, and the recovery sweep deletes it (jobs.results.retention). Null: never.
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class WebhookEndpoint(Base):
