@@ -40,7 +40,6 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The kernel's CPU flags (/proc/cpuinfo), empty where it cannot be read."""
     try:

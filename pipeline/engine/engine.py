@@ -65,10 +65,6 @@ class Engine:
         self.max_num_seqs = memory_budget.max_num_seqs(config, self.device)
         plan = memory_budget.kv_cache_plan(config, self.device, args, dtype, self.max_num_seqs, self.model)
         self.attention_backend = backend = plan.backend
-        if config.batch_invariant:
-            make_batch_invariant(self.model, backend, dtype, self.device, max_rows=max(
-                memory_budget.max_num_batched_tokens(config, self.device),
-                self.max_num_seqs * (1 + config.num_speculative_tokens)))
         self.block_size = block_size = plan.block_size
         num_blocks = plan.num_blocks
         kv_cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
@@ -103,6 +99,9 @@ class Engine:
         self.num_overlapped_steps = 0   # steps launched before the one before them was read back
         if config.quantization == "w8a8":   # smoothed on its float model's ranges, so once the model runs
             quantize_w8a8(self.model, self._calibrate)
+        if config.batch_invariant:   # last: it wraps the linear layers that w8a8 calibrated by name
+            make_batch_invariant(self.model, backend, dtype, self.device, max_rows=max(
+                self.scheduler.max_num_batched_tokens, self.max_num_seqs * (1 + config.num_speculative_tokens)))
 
     def _calibrate(self) -> None:
         """Smoothing's calibration requests, one at a time so that every engine runs the same steps

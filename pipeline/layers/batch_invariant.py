@@ -10,8 +10,8 @@ shape of the batch. In this engine those are two:
   dimension) by the number of rows. Measured on an AVX-512 BF16 EPYC: MKL's float32
   product gives one result for 1-3 rows and another from 4 rows on; oneDNN's bfloat16
   down projection (1536 inputs) one for a single row and another from 2. From some row
-  count on, a library keeps one kernel and order: below it, a call is padded with zero
-  rows up to it. Which count that is differs by library, CPU and shape, so it is
+  count on, a library keeps one kernel and order: below it, a call is padded with copies
+  of its last row up to it. Which count that is differs by library, CPU and shape, so it is
   measured at load for each distinct layer shape (`measure_layer`), up to the largest
   call a step makes. A shape without such a count computes in tiles of exactly
   TILE_ROWS rows (a call of one fixed shape: one kernel, and a row's result depends
@@ -41,7 +41,7 @@ CHECKED_ROWS = 64   # rows each call size is compared on
 
 
 class BatchInvariantLinear(nn.Module):
-    """A linear layer whose every call has at least `min_rows` rows (zero rows added), or,
+    """A linear layer whose every call has at least `min_rows` rows (copies of the last added), or,
     with `tile_rows`, is computed tile by tile of exactly that many rows."""
 
     def __init__(self, inner: nn.Module, in_features: int, out_features: int,
@@ -69,7 +69,11 @@ class BatchInvariantLinear(nn.Module):
 
 
 def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
-    return rows if rows.shape[0] == count else F.pad(rows, (0, 0, 0, count - rows.shape[0]))
+    """rows and copies of its last row up to count rows: copies, not zeros, because a zero
+    row is not a harmless input everywhere (bitsandbytes' int8 layer scales each row by its
+    absolute maximum, and a zero row broke the real ones' answers)."""
+    missing = count - rows.shape[0]
+    return rows if missing == 0 else torch.cat([rows, rows[-1:].expand(missing, -1)])
 
 
 def check_device(device: torch.device) -> None:

@@ -108,7 +108,10 @@ def test_bundled_stop_string(bundled_outputs):
 def test_bundled_int8_agrees_with_float32(bundled_outputs):
     """LLM.int8 without the outlier path is lossy: greedy agreement with float32 is high
     but not total (on "fox" it diverges at the 3rd token), so only the start is compared."""
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", quantization="int8", num_kv_blocks=16))
+    # Off: the chat's first token is a near tie in this lossy mode, which the batch-invariant
+    # attention's other summation order tips ("L'Étoile" for "The"; outputs differ by ~1e-6).
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", quantization="int8", num_kv_blocks=16,
+                                 batch_invariant=False))
     outs = run(engine, [Request(k, prompt=p, params=greedy(5)) for k, p in HF_PROMPTS.items()]
                + [Request("chat", messages=CAPITAL, params=greedy(8))])
     for key, out in outs.items():

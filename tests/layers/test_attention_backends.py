@@ -145,7 +145,8 @@ def test_engines_on_the_cpu_and_reference_backends_decode_the_same_tokens(tiny_m
     for name in ("cpu", "reference"):
         engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=256, block_size=8,
                                      max_num_batched_tokens=32, max_num_seqs=12, speculative="ngram",
-                                     num_speculative_tokens=3, attention_backend=name))
+                                     num_speculative_tokens=3, attention_backend=name,
+                                     batch_invariant=False))   # the mode is the cpu backend's alone
         assert engine.attention_backend.name == name
         outs = {o.id: o for o in engine.generate(requests)}
         assert all(o.error is None for o in outs.values())
@@ -172,7 +173,8 @@ def test_varlen_refuses_what_flash_attention_cannot_run():
 
 def test_a_failed_capture_leaves_the_engine_eager_and_says_so(tiny_model_dir, monkeypatch, caplog):
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=16, block_size=8,
-                                 max_num_seqs=4, attention_backend="reference"))
+                                 max_num_seqs=4, attention_backend="reference",
+                                 batch_invariant=False))
 
     def capture(self):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
@@ -201,7 +203,8 @@ def test_padded_decode_forward_has_no_graph_break_and_equals_eager(tiny_model_di
     equal the unpadded eager step's, and the padding row wrote only to the pad block."""
     monkeypatch.setattr(cpu_kernels, "_load", lambda: None)   # as PIPELINE_CPU_KERNELS=0
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), num_kv_blocks=64, block_size=8,
-                                 max_num_seqs=4, pack_weights=False, attention_backend="reference"))
+                                 max_num_seqs=4, pack_weights=False, attention_backend="reference",
+                                 batch_invariant=False))
     rng = random.Random(0)
     assert engine.runner.graphs is None   # cuda_graphs is on by default, and ignored on a CPU
     batch, layout = next_decode_layout(engine, [

@@ -201,7 +201,7 @@ def test_forced_fallback_is_used_and_agrees(fresh_choice, monkeypatch, tiny_mode
         assert row_errors(layer(x), chosen).max() < bound
         assert row_errors(layer(x), linear(x)).max() < 0.05
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization="w8a8", **BIG_POOL))
-    assert engine.model.model.layers[0].mlp.down_proj.gemm.kernel == "reference"
+    assert engine.model.model.layers[0].mlp.down_proj.inner.gemm.kernel == "reference"   # .inner: batch-invariant
     out = run(engine, [Request("q", prompt_token_ids=[504, 2365, 6354, 1604], params=greedy(6, ignore_eos=True))])
     check_output(out["q"], engine)
     assert out["q"].output_tokens == 6
@@ -236,8 +236,8 @@ def test_engine_quantizes_every_decoder_linear_and_generates(tiny_w8a8):
     model = tiny_w8a8.model
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert type(linear) is Int8Linear
-    assert type(model.lm_head) is (PackedLinear if _mkl() else nn.Linear)   # packed as without quantization
+            assert type(linear.inner) is Int8Linear   # inside the batch-invariant wrapper
+    assert type(model.lm_head.inner) is (PackedLinear if _mkl() else nn.Linear)   # packed as without quantization
     outs = run(tiny_w8a8, mixed_requests(0, 12) + [Request("hi", prompt="Hello", params=greedy(5))])
     for out in outs.values():
         check_output(out, tiny_w8a8)

@@ -153,7 +153,8 @@ def test_an_engine_on_the_packed_backend_decodes_the_reference_tokens(tiny_model
     for name in ("varlen", "reference"):
         engine = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=64,
                                      block_size=16, max_num_batched_tokens=32, max_num_seqs=6,
-                                     attention_backend=name, overlap_steps=overlap_steps and name == "varlen"))
+                                     attention_backend=name, overlap_steps=overlap_steps and name == "varlen",
+                                     batch_invariant=False))   # the mode is the cpu backend's alone
         if name == "varlen":
             backend = engine.attention_backend
             assert backend.decode_kernel is paged_decode_attention
@@ -177,7 +178,8 @@ def test_the_padded_decode_forward_a_graph_captures_equals_the_unpadded_step(tin
     block), over DecodeGraphs' buffers with max_k the model's context: the kernel's logits
     for the real rows equal the eager step's."""
     engine = Engine(EngineConfig(device="cpu", dtype="float32", model=str(tiny_model_dir), num_kv_blocks=32,
-                                 block_size=16, max_num_seqs=4, attention_backend="varlen"))
+                                 block_size=16, max_num_seqs=4, attention_backend="varlen",
+                                 batch_invariant=False))
     batch, layout = next_decode_layout(engine, repetitive_requests(3, 8))
     runner = engine.runner
     graphs = DecodeGraphs(engine.model, 4, engine.max_model_len, engine.block_size, runner.kv_cache.pad_block, CPU)
