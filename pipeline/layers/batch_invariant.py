@@ -29,7 +29,6 @@ import json
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
