@@ -164,6 +164,9 @@ def test_monitoring_services_scrape_the_workers_and_the_exporter(services):
     (workers,) = scrape["pipeline-workers"]["dns_sd_configs"]   # every replica of the worker service
     assert (workers["names"], workers["port"]) == (WORKERS, worker_port)
     assert scrape["pipeline-ledger"]["static_configs"][0]["targets"] == [f"metrics:{exporter_port}"]
+    # worker-gpus: GPU N's child serves worker_port + N (cli/gpus.py), 8 GPUs a node at most here.
+    gpu_ports = [(c["names"], c["port"]) for c in scrape["pipeline-gpu-workers"]["dns_sd_configs"]]
+    assert gpu_ports == [(["worker-gpus"], worker_port + n) for n in range(8)]
     promtool = shutil.which("promtool")
     assert promtool, "promtool (Debian's prometheus package; .ci/run installs it) checks the scrape config"
     done = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
