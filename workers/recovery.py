@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -52,6 +51,7 @@ from jobs.paths import JobPaths
 from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.settings import Settings
 from workers import broker, metrics, webhook_sender
+from workers.periodic import PeriodicThread
 from workers.shard_runner import commit_error_rows
 
 log = logging.getLogger(__name__)
@@ -264,52 +264,30 @@ def _guard(report: dict, job_id: str, fn, *args):
         return None
 
 
-class RecoveryThread:
-    """Runs `recover` every interval_s seconds in a daemon thread until stop()."""
-
-    def __init__(self, settings: Settings, worker_name: str | None = None):
-        self.settings, self.worker_name = settings, worker_name
-        self.interval_s = settings.recovery_interval_s
-        self.Session: sessionmaker[Session] | None = None  # its own pool, never the tasks'
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pipeline-recovery", daemon=True)
-
-    def start(self) -> "RecoveryThread":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                if self.Session is None:
-                    self.Session = ledger.session_factory(ledger.make_engine(self.settings.database_url))
-                report = recover_with_broker(self.settings, self.Session, worker_name=self.worker_name,
-                                             webhooks=False)
-            except Exception:  # the database is away: try again next time
-                log.exception("recovery pass failed")
-                continue
-            done = {k: v for k, v in report.items() if v and k != "errors"}
-            if done:
-                log.info("recovery: %s", done)
-            for error in report["errors"]:
-                log.warning("recovery: %s", error)
+def log_pass(settings: Settings, Session: sessionmaker[Session], worker_name: str | None) -> None:
+    """One pass without webhooks (their own thread sends them), what it did logged."""
+    report = recover_with_broker(settings, Session, worker_name=worker_name, webhooks=False)
+    done = {k: v for k, v in report.items() if v and k != "errors"}
+    if done:
+        log.info("recovery: %s", done)
+    for error in report["errors"]:
+        log.warning("recovery: %s", error)
 
 
-_thread: RecoveryThread | None = None
-_sender: webhook_sender.SenderThread | None = None   # the webhook sender, started with it
+_thread: PeriodicThread | None = None
+_sender: PeriodicThread | None = None   # the webhook sender, started with it
 
 
-def start_thread(settings: Settings, worker_name: str | None = None) -> RecoveryThread | None:
+def start_thread(settings: Settings, worker_name: str | None = None) -> PeriodicThread | None:
     """Start this process's recovery thread and webhook sender thread (once) unless the
-    interval is 0."""
+    interval is 0: a slow webhook receiver must not delay recovery."""
     global _thread, _sender
     if _thread is not None or settings.recovery_interval_s <= 0:
         return _thread
-    _thread = RecoveryThread(settings, worker_name).start()
-    _sender = webhook_sender.SenderThread(settings).start()
+    _thread = PeriodicThread(settings, "recovery",
+                             lambda Session: log_pass(settings, Session, worker_name)).start()
+    _sender = PeriodicThread(settings, "webhooks",
+                             lambda Session: webhook_sender.log_pass(Session, settings.webhook_backoff_s)).start()
     log.info("recovery and webhook threads started: a pass every %.3g s", settings.recovery_interval_s)
     return _thread
 

@@ -10,13 +10,13 @@ an hour), until a day after its event, and is then failed. Every attempt is in t
 
 Nothing here runs when a job ends, so a slow or dead receiver never holds a job up: every
 worker runs a pass each PIPELINE_RECOVERY_INTERVAL seconds in a thread of its own (beside
-its recovery thread, which a receiver's timeout must not delay either; started with it by
-workers.recovery.start_thread), and `pipeline recover` runs one after its recovery pass.
+its recovery thread, which a receiver's timeout must not delay either; both are
+workers.periodic threads, started by workers.recovery.start_thread), and `pipeline
+recover` runs one after its recovery pass.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +25,6 @@ from datetime import timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import ledger
-from jobs.settings import Settings
 from jobs.webhooks import RETRY_FOR_S, headers, retry_delay
 
 log = logging.getLogger(__name__)
@@ -95,30 +94,8 @@ def _attempt(Session, claimed: ledger.Claimed, backoff_s: float) -> str | None:
     return "failed" if give_up else "retrying"
 
 
-class SenderThread:
-    """Runs send_due every interval_s seconds in a daemon thread until stop()."""
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.Session: sessionmaker[Session] | None = None   # its own pool
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pipeline-webhooks", daemon=True)
-
-    def start(self) -> "SenderThread":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.settings.recovery_interval_s):
-            try:
-                if self.Session is None:
-                    self.Session = ledger.session_factory(ledger.make_engine(self.settings.database_url))
-                report = send_due(self.Session, self.settings.webhook_backoff_s)
-            except Exception:   # the database is away: try again next time
-                log.exception("webhook pass failed")
-                continue
-            if any(report.values()):
-                log.info("webhooks: %s", {k: v for k, v in report.items() if v})
+def log_pass(Session: sessionmaker[Session], backoff_s: float) -> None:
+    """One pass, what it did logged (a worker's webhook thread: workers.periodic)."""
+    report = send_due(Session, backoff_s)
+    if any(report.values()):
+        log.info("webhooks: %s", {k: v for k, v in report.items() if v})
