@@ -1,9 +1,15 @@
 """Helpers of the ledger tests (tests/jobs/test_ledger*.py): a job of a few shards, straight
-into the ledger."""
+into the ledger; a job whose one worker died holding its shard."""
 from __future__ import annotations
 
-from jobs.ledger import create_job
+from datetime import timedelta
+
+from sqlalchemy import update
+
+from jobs.ledger import Shard, claim_shard, create_job, utcnow
 from jobs.paths import new_job_id
+from jobs.submission import create_job_from_file
+from cluster import write_jsonl
 
 
 def make_job(Session, sizes=(3, 2), job_id=None):
@@ -13,4 +19,16 @@ def make_job(Session, sizes=(3, 2), job_id=None):
                    input_format="pipeline", endpoint=None, input_path=f"/in/{job_id}",
                    results_path=f"/out/{job_id}", shard_size=3, shard_sizes=list(sizes),
                    metadata={"owner": "tests"})
+    return job_id
+
+
+def job_of_a_dead_worker(Session, data_root, tmp_path) -> str:
+    """A 3-request, 1-shard job whose shard a worker ("gone:1") claimed on its one attempt and
+    whose lease expired 5 s ago: what the reaper finds after a worker dies mid-shard."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(3)])
+    job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=3)[0]
+    with Session() as s:
+        assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
+        s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
+        s.commit()
     return job_id

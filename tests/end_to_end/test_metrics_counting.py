@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import uuid
-from datetime import timedelta
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +19,7 @@ from cli import main
 from pipeline.engine_key import engine_key
 from pipeline.engine.engine_loop import EngineLoop
 from engine_helpers import greedy, random_prompt
+from ledger_helpers import job_of_a_dead_worker
 from cluster import REPO, write_jsonl
 from metrics_helpers import HOST, NOT_UP_YET, free_port, in_process, scrape, some_rows, value
 from polling import wait_until
@@ -67,19 +67,11 @@ def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, eng
 
 
 def test_the_reaper_counts_the_shards_it_gives_up(Session, data_root, tmp_path):
-    from sqlalchemy import update
-
-    from jobs.ledger import Shard, utcnow
     from workers.recovery import recover
 
     before = (in_process("pipeline_requests_total", model="tiny", worker=HOST, finish_reason="error"),
               in_process("pipeline_shards_total", worker=HOST, outcome="failed"))
-    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(3)])
-    job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=3)[0]
-    with Session() as s:
-        assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
-        s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
-        s.commit()
+    job_id = job_of_a_dead_worker(Session, data_root, tmp_path)
     report = recover(Session, data_root, max_attempts=1, queued_grace_s=60, enqueue=lambda route, shards: None,
                      backlog=lambda route: 0)
     assert report["exhausted"] == [(job_id, 0)]

@@ -14,6 +14,7 @@ from jobs.ledger import get_job, get_shards, make_engine, session_factory, upgra
 from jobs.paths import JobPaths
 from jobs.results.parquet_files import read_results
 from jobs.submission import create_job_from_file
+from ledger_helpers import job_of_a_dead_worker
 from worker_process import drop_queue
 from cluster import REPO, write_jsonl
 
@@ -102,24 +103,13 @@ def test_recover_pass_reaps_fails_and_finalizes(db_url, data_root, tmp_path):
 
 def test_pipeline_recover_ends_a_job_whose_worker_died_on_its_last_attempt(data_root, tmp_path):
     """`pipeline recover` (one pass, for cron): no worker is left to reap the shard."""
-    from datetime import timedelta
-
-    from sqlalchemy import update
-
-    from jobs.ledger import Shard, claim_shard, utcnow
-
     url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
     upgrade(url)
     engine = make_engine(url)
     Session = session_factory(engine)
     queue = f"pipeline-ft-{uuid.uuid4().hex[:8]}"
     try:
-        src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "Hi"} for i in range(3)])
-        job_id = create_job_from_file(Session, data_root, src, model="tiny", engine_options={}, shard_size=3)[0]
-        with Session() as s:
-            assert claim_shard(s, job_id, 0, "gone:1", 60, 1) == 1
-            s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
-            s.commit()
+        job_id = job_of_a_dead_worker(Session, data_root, tmp_path)
         env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root), "PIPELINE_DATABASE_URL": url,
                "PIPELINE_QUEUE": queue, "PIPELINE_MAX_ATTEMPTS": "1"}
         done = subprocess.run([sys.executable, "-m", "cli", "recover"], env=env, cwd=REPO,
