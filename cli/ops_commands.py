@@ -171,18 +171,12 @@ def db_upgrade_command(settings):
     click.echo("the ledger schema is up to date")
 
 
-MAX_AGE_DAYS = 36500   # a century: older than any ledger; an age past year 1 cannot even be subtracted
-
-
 def _age(ctx, param, value):
     """gc's age, read by the parser of the completion windows (jobs.scheduling); one too large
     to subtract from today is a usage error like a malformed one, never an OverflowError."""
-    from datetime import timedelta
-
-    from jobs.scheduling import parse_duration
+    from jobs.scheduling import CENTURY, parse_duration
     try:
-        return parse_duration(value, "an age", longest=timedelta(days=MAX_AGE_DAYS),
-                              longest_text=f"{MAX_AGE_DAYS}d (a century)")
+        return parse_duration(value, "an age", longest=CENTURY, longest_text=f"{CENTURY.days}d (a century)")
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 

@@ -38,15 +38,17 @@ def parse_window(text: str) -> timedelta:
                           longest_text=f"{MAX_WINDOW.days} days ({int(MAX_WINDOW.total_seconds() // 3600)}h)")
 
 
-# The longest keep of a job's results (`--keep`, PIPELINE_KEEP_RESULTS): a century, as `pipeline gc`'s age.
-MAX_KEEP = timedelta(days=36500)
+# The longest keep of a job's results (`--keep`, PIPELINE_KEEP_RESULTS) and the oldest age
+# `pipeline gc` takes: a century, older than any ledger (an age past year 1 cannot even be
+# subtracted from today).
+CENTURY = timedelta(days=36500)
 
 
 def parse_keep(text: str) -> int:
     """How long a job's results are kept once it ended ("7d", "12h"), in whole seconds;
-    ValueError for anything parse_duration refuses or longer than MAX_KEEP."""
-    return int(parse_duration(text, "a keep", longest=MAX_KEEP,
-                              longest_text=f"{MAX_KEEP.days}d (a century)").total_seconds())
+    ValueError for anything parse_duration refuses or longer than CENTURY."""
+    return int(parse_duration(text, "a keep", longest=CENTURY,
+                              longest_text=f"{CENTURY.days}d (a century)").total_seconds())
 
 
 def parse_duration(text: str, what: str = "a duration", *, longest: timedelta | None = None,
