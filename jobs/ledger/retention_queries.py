@@ -12,20 +12,25 @@ from jobs.ledger.statuses import JobStatus
 
 def results_expire_at(job: Job) -> datetime | None:
     """When the job's results go: its end plus its keep (None: kept for ever, or not ended)."""
-    if job.keep_seconds is None or job.finished_at is None:
+    return _expiry(job.finished_at, job.keep_seconds)
+
+
+def _expiry(finished_at: datetime | None, keep_seconds: int | None) -> datetime | None:
+    if keep_seconds is None or finished_at is None:
         return None
-    return job.finished_at + timedelta(seconds=job.keep_seconds)
+    return finished_at + timedelta(seconds=keep_seconds)
 
 
 def results_due(s: Session, now: datetime | None = None) -> list[str]:
-    """The ended jobs with a keep whose results are past it and not deleted yet, oldest end first."""
+    """The ended jobs with a keep whose results are past it and not deleted yet, oldest end first.
+    Every recovery pass asks: only the three columns it needs are read, not whole job rows."""
     now = now or utcnow()
-    jobs = list(s.scalars(select(Job).where(
+    rows = s.execute(select(Job.id, Job.finished_at, Job.keep_seconds).where(
         Job.status.in_([st.value for st in JobStatus.terminal()]), Job.keep_seconds.is_not(None),
-        Job.results_expired_at.is_(None), Job.finished_at.is_not(None)).order_by(Job.finished_at)))
+        Job.results_expired_at.is_(None), Job.finished_at.is_not(None)).order_by(Job.finished_at)).all()
     s.commit()
     # The end plus the keep is compared here: the two databases add seconds to a time differently.
-    return [job.id for job in jobs if results_expire_at(job) <= now]
+    return [job_id for job_id, finished_at, keep_seconds in rows if _expiry(finished_at, keep_seconds) <= now]
 
 
 def mark_results_expired(s: Session, job_id: str) -> bool:
