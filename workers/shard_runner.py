@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import fields
 from enum import Enum
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -38,10 +37,8 @@ from jobs.reuse.stored_answers import answers_of, stored_answers
 from jobs.scheduling import expired_error
 from jobs.input.shard_files import read_shard
 from jobs.input.line_checks import RequestSpec
-from pipeline.pooling_params import PoolingParams
-from pipeline.request import Request
-from pipeline.sampling_params import SamplingParams
 from workers import logs, metrics
+from workers.shard_requests import embedding_requests, prompt_requests, to_request
 
 log = logging.getLogger(__name__)
 
@@ -155,36 +152,6 @@ def run_shard(
         lease.stop()
     finalize_job(Session, root, job_id)
     return ShardOutcome(status)
-
-
-def to_request(spec: RequestSpec, timeout_s: float | None = None) -> Request:
-    """The engine request of a shard line (timeout_s: the job's, for a line without its
-    own); ValueError if the engine rejects its settings."""
-    return _request(spec, spec.id, {"prompt": spec.prompt, "messages": spec.messages}, timeout_s)
-
-
-def prompt_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[Request]:
-    """The engine requests of a line with several prompts: one per prompt (a text or token
-    ids), n answers each, with ids as embedding_requests' (the spec's id, a NUL, the index)."""
-    return [_request(spec, f"{spec.id}\0{i}", {"prompt": item} if isinstance(item, str) else {"prompt_token_ids": item},
-                     timeout_s) for i, item in enumerate(spec.prompts)]
-
-
-def _request(spec: RequestSpec, request_id: str, prompt: dict, timeout_s: float | None) -> Request:
-    # Every sampling setting a shard line carries: SamplingParams' fields but request_spec.ENGINE_ONLY.
-    params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)},
-                            prompt_logprobs=spec.logprobs if spec.echo else None)   # echo: the prompt's too
-    return Request(request_id, **prompt, params=params, timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
-
-
-def embedding_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[Request]:
-    """The engine requests of an embedding line: one per input (a text or token ids), with
-    ids unique in the shard: the spec's id, a NUL, the input's index (the digits after the
-    last NUL, so two (id, index) pairs never give one id)."""
-    pooling = PoolingParams(spec.dimensions)
-    timeout_s = spec.timeout_s or timeout_s
-    return [Request(f"{spec.id}\0{i}", **({"prompt": item} if isinstance(item, str) else {"prompt_token_ids": item}),
-                    pooling=pooling, timeout_s=timeout_s) for i, item in enumerate(spec.input)]
 
 
 class InputUnreadable(OSError):
@@ -312,8 +279,6 @@ def _generate(Session, job, engine, specs, index, attempt, lease, on_result, wor
             rows[spec.id, choice] = row
             _notify(on_result, row)
     return [rows[spec.id, choice] for spec, choice in keys], cancel.seen, interrupted
-
-
 
 
 def _notify(on_result, row: dict) -> None:

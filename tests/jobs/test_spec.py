@@ -201,7 +201,7 @@ OLD_SHARD_LINES = [
 
 
 def test_shard_lines_written_before_sampling_params_fields_load_and_are_written_the_same(tmp_path):
-    from workers.shard_runner import prompt_requests, to_request
+    from workers.shard_requests import prompt_requests, to_request
 
     path = tmp_path / shard_file_name(0)
     path.write_text("".join(line + "\n" for line in OLD_SHARD_LINES))
@@ -228,7 +228,7 @@ def test_request_spec_takes_its_sampling_settings_from_sampling_params():
 
     from jobs.input.request_spec import ENGINE_ONLY, OPTIONAL_FIELDS
     from pipeline.sampling_params import SamplingParams
-    from workers.shard_runner import to_request
+    from workers.shard_requests import to_request
 
     ours = {f.name: f for f in fields(RequestSpec)}
     for f in fields(SamplingParams):
