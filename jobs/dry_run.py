@@ -190,7 +190,8 @@ def _prompt_lengths(tokenizer, request) -> list[int]:
     if items is not None:
         return [len(item) if isinstance(item, list) else len(prompt_token_ids(tokenizer, prompt=item))
                 for item in items]
-    return [len(prompt_token_ids(tokenizer, prompt=request.prompt, messages=request.messages, tools=request.tools))]
+    return [len(prompt_token_ids(tokenizer, prompt=request.prompt, messages=request.messages, tools=request.tools,
+                                 reasoning_effort=request.reasoning_effort))]
 
 
 def _existing_ledger(database_url: str | None):

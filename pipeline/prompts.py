@@ -5,21 +5,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+from pipeline.reasoning import template_options
+
 
 def prompt_token_ids(tokenizer, *, prompt: str | None = None, messages: list[dict] | None = None,
-                     tools: list[dict] | None = None, token_ids: list[int] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, token_ids: list[int] | None = None,
+                     reasoning_effort: str | None = None) -> list[int]:
     """One request's ids (prompts_token_ids); raises what fails it."""
     [ids] = prompts_token_ids(tokenizer, [SimpleNamespace(prompt=prompt, messages=messages, tools=tools,
-                                                          prompt_token_ids=token_ids)])
+                                                          prompt_token_ids=token_ids,
+                                                          reasoning_effort=reasoning_effort)])
     if isinstance(ids, Exception):
         raise ids
     return ids
 
 
 def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Exception]:
-    """Each request's ids (anything with prompt, messages, tools and prompt_token_ids), or
-    the exception that fails it alone: token ids as given; chat messages through the
-    tokenizer's chat template (with the assistant's turn opened, tools given to it; an
+    """Each request's ids (anything with prompt, messages, tools and prompt_token_ids; maybe
+    reasoning_effort), or the exception that fails it alone: token ids as given; chat
+    messages through the tokenizer's chat template (with the assistant's turn opened, tools
+    and the thinking switch given to it: pipeline.reasoning.template_options; an
     assistant's tool_calls only where the template shows them); a raw
     prompt encoded with the tokenizer's special tokens (a BOS where the model has one).
 
@@ -35,8 +40,9 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
         elif r.messages is not None:
             try:
                 _check_template_shows_tool_calls(tokenizer, r.messages)
-                chats.append((i, tokenizer.apply_chat_template(r.messages, tools=r.tools, tokenize=False,
-                                                               add_generation_prompt=True)))
+                chats.append((i, tokenizer.apply_chat_template(
+                    r.messages, tools=r.tools, tokenize=False, add_generation_prompt=True,
+                    **template_options(getattr(r, "reasoning_effort", None)))))
             except Exception as e:   # a bad template or message fails its request only
                 ids[i] = e
         else:

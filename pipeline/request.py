@@ -48,6 +48,9 @@ class Request:
     timeout_s: float | None = None
     tools: list[dict] | None = None   # OpenAI function tools, given to the chat template with `messages`
     pooling: PoolingParams | None = None   # an embedding request
+    # OpenAI's reasoning_effort, given to the chat template with `messages` ("none" turns a
+    # thinking template's thinking off: pipeline.reasoning.template_options); None: its default.
+    reasoning_effort: str | None = None
 
     def __post_init__(self):
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -105,3 +108,8 @@ class RequestOutput:
     choice: int = 0
     # An embedding request's vector (Request.pooling); None for generation.
     embedding: list[float] | None = None
+    # A chat request on a model whose template thinks (pipeline.reasoning): the think
+    # block's text (None: the output opened none; `text` is then the whole answer) and its
+    # tokens, the tags included (None: not split, the model does not think).
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None

@@ -28,7 +28,8 @@ def _request(spec: RequestSpec, request_id: str, prompt: dict, timeout_s: float 
     # Every sampling setting a shard line carries: SamplingParams' fields but request_spec.ENGINE_ONLY.
     params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)},
                             prompt_logprobs=spec.logprobs if spec.echo else None)   # echo: the prompt's too
-    return Request(request_id, **prompt, params=params, timeout_s=spec.timeout_s or timeout_s, tools=spec.tools)
+    return Request(request_id, **prompt, params=params, timeout_s=spec.timeout_s or timeout_s, tools=spec.tools,
+                   reasoning_effort=spec.reasoning_effort)
 
 
 def embedding_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[Request]:

@@ -28,6 +28,8 @@ _OPENAI_INPUT_KEY = {CHAT_ENDPOINT: "messages", COMPLETIONS_ENDPOINT: "prompt"}
 # The fields that shape the answer rather than sample it (checked in jobs.input.answer_shape_checks).
 STRUCTURED_KEYS = ("response_format", "structured_outputs")
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+# Chat fields given to the chat template with the messages (jobs.input.prompt_checks).
+TEMPLATE_KEYS = ("reasoning_effort",)
 LOGPROB_KEYS = {CHAT_ENDPOINT: ("logprobs", "top_logprobs"), COMPLETIONS_ENDPOINT: ("logprobs", "echo")}
 # OpenAI body fields that change nothing about the answer in a batch: taken and ignored
 # (stream only when false, modalities only ["text"], both checked in openai_body). The
@@ -50,7 +52,7 @@ class Bad(Exception):
 def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[str]):
     """Map an OpenAI request body onto our fields: (model, request fields, labels naming them in errors)."""
     key = _OPENAI_INPUT_KEY[endpoint]
-    chat_only = set(TOOL_KEYS) if endpoint == CHAT_ENDPOINT else set()
+    chat_only = {*TOOL_KEYS, *TEMPLATE_KEYS} if endpoint == CHAT_ENDPOINT else set()
     chat_only |= set(LOGPROB_KEYS[endpoint])
     if body.get("stream") not in (None, False):
         problems.append(f"unsupported field 'stream' = {describe(body['stream'])}: a batch writes its answers to "
@@ -75,7 +77,7 @@ def openai_body(endpoint: str, body: dict, max_model_chars: int, problems: list[
     if model is not None:
         model = check(string, "model", model, max_model_chars, problems)
     req = {k: body[k] for k in (key, *SAMPLING_DEFAULTS, *STRUCTURED_KEYS, *LOGPROB_KEYS[endpoint],
-                                *(TOOL_KEYS if endpoint == CHAT_ENDPOINT else ())) if k in body}
+                                *((*TOOL_KEYS, *TEMPLATE_KEYS) if endpoint == CHAT_ENDPOINT else ())) if k in body}
     labels = {}
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:

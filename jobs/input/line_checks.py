@@ -25,11 +25,12 @@ from jobs.input.answer_shape_checks import CHAT_FORCED_CALL, echo_setting, force
 from jobs.input.embedding_checks import (
     OPENAI_EMBEDDING_KEYS, PIPELINE_EMBEDDING_KEYS, dimensions_setting, embedding_inputs, encoding_format_setting,
 )
-from jobs.input.prompt_checks import request_inputs
+from jobs.input.prompt_checks import reasoning_effort, request_inputs
 from jobs.input.file_reading import open_regular_file
 from jobs.input.field_checks import (
     CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, ENDPOINTS, RESPONSES_ENDPOINT, SAMPLING_DEFAULTS,
-    STRUCTURED_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings, storable, string,
+    STRUCTURED_KEYS, TEMPLATE_KEYS, TOOL_KEYS, Bad, check, describe, openai_body, request_timeout, sampling_settings,
+    storable, string,
 )
 from jobs.input.plain_lines import PlainLines
 from jobs.input.request_spec import OPTIONAL_FIELDS, RequestSpec, request_line   # RequestSpec re-exported: a shard line's type
@@ -43,7 +44,7 @@ __all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Valida
            "open_regular_file", "validate"]
 
 _PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
-                  *TOOL_KEYS}
+                  *TOOL_KEYS, *TEMPLATE_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _TABLE_FIELDS = _PIPELINE_KEYS | PIPELINE_EMBEDDING_KEYS   # a table's columns that are our format's fields
 _PLAIN_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
@@ -211,6 +212,7 @@ class _Reader:
         inputs = request_inputs(req, self.limits.max_prompt_chars, problems)
         sampling = sampling_settings(req, labels, problems)
         timeout_s = request_timeout(req, problems)
+        effort = reasoning_effort(req, problems)
         structured = logprobs = tools = tool_call = tool_spec = None
         echo = False
         if not _SHAPING_KEYS.isdisjoint(req):   # most lines ask for none of these: their checks are skipped
@@ -237,7 +239,7 @@ class _Reader:
             raise Bad("; ".join(problems))
         return request_line({"id": rid, "line": number, **inputs, **sampling, "model": model, "timeout_s": timeout_s,
                              "structured_output": structured, "tools": tools, "tool_call": tool_call,
-                             "logprobs": logprobs, "echo": echo})
+                             "logprobs": logprobs, "echo": echo, "reasoning_effort": effort})
 
     def _plain_line(self, number: int, obj: dict, fmt: str) -> dict | None:
         """The line's request line by jobs.input.plain_lines (None: the full checks decide), once the

@@ -12,7 +12,8 @@ A message is what OpenAI's chat format allows of text:
 * a tool result's `tool_call_id`;
 * any other field only as null (an SDK's message object dumped whole: `refusal`, `audio`).
 A model whose chat template cannot show tool calls fails such a request alone, saying so
-(pipeline.prompts): its turn would otherwise reach the model empty.
+(pipeline.prompts): its turn would otherwise reach the model empty. `reasoning_effort` goes
+to the chat template with the messages (pipeline.reasoning.template_options).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 from jobs.input.field_checks import CHAT_ROLES, Bad, check, describe, encodable, string
 from jobs.input.strict_json import DECODER, too_deep
 from jobs.input.validation import Limits
+from pipeline.reasoning import EFFORTS
 
 MAX_ITEMS = 2048             # prompts or embedding inputs in one request (OpenAI's limit of inputs)
 MAX_TOKEN_ID = 2**31 - 1
@@ -48,6 +50,19 @@ def request_inputs(req: dict, max_chars: int, problems: list[str]) -> dict:
     if messages is not None:
         out["messages"] = check(_messages, "messages", messages, max_chars, problems)
     return out
+
+
+def reasoning_effort(req: dict, problems: list[str]) -> str | None:
+    """A chat request's reasoning_effort (OpenAI's values), or None: the template's default."""
+    value = req.get("reasoning_effort")
+    if value is None:
+        return None
+    if value not in EFFORTS or not isinstance(value, str):
+        problems.append(f"reasoning_effort must be one of {', '.join(map(repr, EFFORTS))}, got {describe(value)}")
+        return None
+    if req.get("messages") is None:
+        problems.append("reasoning_effort needs messages (a chat request): it is given to the chat template")
+    return value
 
 
 def _prompt(name, v, max_chars):

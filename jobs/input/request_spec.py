@@ -48,6 +48,7 @@ class RequestSpec:
     timeout_s: float | None = None   # seconds it may run once started (None: the job's, if any)
     tools: list[dict] | None = None          # a chat request's tools, for its chat template
     tool_call: str | None = None             # the function whose arguments the answer is (forced)
+    reasoning_effort: str | None = None      # a chat request's, for its chat template (None: the template's default)
     echo: bool = False                       # completions: the answer's text starts with the prompt
     # Completions given a list `prompt` (OpenAI's): its texts or token-id lists, n answers to
     # each, result row `choice` = i * n + j as OpenAI numbers them; prompt is None.

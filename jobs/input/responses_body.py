@@ -6,7 +6,8 @@ before the rest, `input` a string (one user message) or a list of items (message
 tool conversation), `max_output_tokens` is max_tokens, `text.format` is response_format
 (flattened: `{"type": "json_schema", "name", "schema", "strict"}`), `tools` are flattened
 function tools and `tool_choice: {"type": "function", "name"}` forces one, `top_logprobs`
-and `include: ["message.output_text.logprobs"]` ask for logprobs. So it is checked here in
+and `include: ["message.output_text.logprobs"]` ask for logprobs, `reasoning.effort` is
+reasoning_effort. So it is checked here in
 its own words (errors name `input[2].content[0]`, `text.format`, `max_output_tokens`) and
 then passes the chat checks like any chat line: the same request spec, the same answer.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from jobs.input.answer_shape_checks import FUNCTION_NAME
 from jobs.input.prompt_checks import content_text, tool_call_arguments
 from jobs.input.field_checks import IGNORED_BODY_KEYS, Bad, check, describe, string
+from pipeline.reasoning import EFFORTS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 FORCED_CALL = '{"type": "function", "name": ...}'   # a forced tool_choice, as this API writes it
@@ -33,7 +35,6 @@ _REFUSED = {
     "previous_response_id": "a batch keeps no responses: give the whole conversation in input",
     "conversation": "a batch keeps no conversations: give the whole conversation in input",
     "prompt": "stored prompt templates are not available: give the text in instructions and input",
-    "reasoning": "the model's chat template decides whether it reasons",
     "context_management": "a batch request is answered in one turn",
 }
 _CHAT_KEYS = ("temperature", "top_p", "parallel_tool_calls")   # the same name and meaning
@@ -67,7 +68,8 @@ def responses_body(body: dict, max_model_chars: int, max_chars: int, problems: l
         chat["messages"] = messages
     elif "input" not in given:
         problems.append("missing body.input")
-    for key, read in (("text", _text), ("tools", _tools), ("tool_choice", _tool_choice)):
+    for key, read in (("text", _text), ("tools", _tools), ("tool_choice", _tool_choice),
+                      ("reasoning", _reasoning)):
         if key in given:
             value = _run(read, given, max_chars, problems)
             if value is not None:
@@ -79,7 +81,7 @@ def responses_body(body: dict, max_model_chars: int, max_chars: int, problems: l
 
 
 _KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
-          "tool_choice", "parallel_tool_calls", "top_logprobs", *_IGNORED}
+          "tool_choice", "parallel_tool_calls", "top_logprobs", "reasoning", *_IGNORED}
 
 
 def _run(read, given: dict, max_chars: int, problems: list[str]):
@@ -185,6 +187,21 @@ def _text(given: dict, _) -> dict | None:
     return {"response_format": {"type": "json_schema",
                                 "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
                                                 if k in fmt}}}
+
+
+def _reasoning(given: dict, _) -> dict:
+    """reasoning.effort as chat's reasoning_effort. A summary cannot be asked for: the output's
+    reasoning item carries the whole think block instead, so summary is taken and ignored."""
+    reasoning = given["reasoning"]
+    if not isinstance(reasoning, dict):
+        raise Bad(f"reasoning must be an object with effort, got {describe(reasoning)}")
+    extra = sorted(k for k in reasoning.keys() - {"effort", "summary", "generate_summary"} if reasoning[k] is not None)
+    if extra:
+        raise Bad(f"reasoning has unsupported field {extra[0]!r}")
+    effort = reasoning.get("effort")
+    if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
+        raise Bad(f"reasoning.effort must be one of {', '.join(map(repr, EFFORTS))}, got {describe(effort)}")
+    return {} if effort is None else {"reasoning_effort": effort}
 
 
 def _tools(given: dict, _) -> dict:

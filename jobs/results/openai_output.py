@@ -100,6 +100,9 @@ def _body(rows: list[dict], digest: str, *, endpoint: str, model: str, created: 
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens,
              "prompt_tokens_details": {"cached_tokens": sum(int(row.get("cached_tokens") or 0) for row in firsts)}}
+    thought = [row["reasoning_tokens"] for row in rows if row.get("reasoning_tokens") is not None]
+    if thought:   # a thinking model's answers (pipeline.reasoning): its think blocks' tokens
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(map(int, thought))}
     choices = [_choice(row, digest, endpoint) for row in rows]
     if endpoint == CHAT:
         return {"id": f"chatcmpl-{digest[:29]}", "object": "chat.completion", "created": created,
@@ -137,16 +140,21 @@ def _response_body(rows: list[dict], digest: str, *, model: str, created: int) -
                 "content": [{"type": "output_text", "text": text, "annotations": [],
                              "logprobs": row.get("logprobs") or []}]}
         tool_choice = "auto"
+    output = [item]
+    if row.get("reasoning") is not None:   # a thinking model's think block, before the answer as OpenAI's
+        output.insert(0, {"type": "reasoning", "id": f"rs_{digest[:32]}", "summary": [], "status": status,
+                          "content": [{"type": "reasoning_text", "text": row["reasoning"]}]})
     input_tokens, output_tokens = int(row["prompt_tokens"]), int(row["output_tokens"])
     return {"id": f"resp_{digest[:32]}", "object": "response", "created_at": created, "status": status,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": None, "metadata": None, "model": model, "output": [item], "parallel_tool_calls": True,
+            "instructions": None, "metadata": None, "model": model, "output": output, "parallel_tool_calls": True,
             "temperature": None, "tool_choice": tool_choice, "tools": [], "top_p": None,
             "usage": {"input_tokens": input_tokens,
                       # cache writes are not metered (the prefix cache keeps what it computes unasked)
                       "input_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0),
                                                "cache_write_tokens": 0},
-                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": output_tokens,
+                      "output_tokens_details": {"reasoning_tokens": int(row.get("reasoning_tokens") or 0)},
                       "total_tokens": input_tokens + output_tokens}}
 
 
@@ -170,6 +178,8 @@ def _choice(row: dict, digest: str, endpoint: str) -> dict:
              "function": {"name": row["tool_call"], "arguments": text}}]}
     else:
         choice["message"] = {"role": "assistant", "content": text}
+    if endpoint == CHAT and row.get("reasoning") is not None:   # vLLM's field for the think block
+        choice["message"]["reasoning_content"] = row["reasoning"]
     return choice
 
 

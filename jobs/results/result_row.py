@@ -36,6 +36,8 @@ RESULT_COLUMNS = (
     ("attempt", "int32"),
     ("valid", "bool_"),            # structured output: the answer is complete under its grammar (null: free text)
     ("tool_call", "string"),       # a forced tool call: the function whose arguments `output` is (else null)
+    ("reasoning", "string"),       # a thinking model's think block (pipeline.reasoning; `output`: the answer after it)
+    ("reasoning_tokens", "int32"),  # ... its tokens, tags included (null: the model does not think)
     ("model", "string"),           # the model name the line used (OpenAI's body.model; null: none given)
     ("logprobs", "token_logprobs"),  # per output token: token, logprob, bytes, top_logprobs (null: not asked)
     ("embedding", "vector"),       # an embedding request: the vector of input `choice` (null: generation)
@@ -71,6 +73,7 @@ def from_output(out: RequestOutput, shard: int, attempt: int, spec=None, *, work
             "finish_reason": FinishReason(out.finish_reason).value, "error": out.error,
             "queue_s": out.queue_s, "ttft_s": out.ttft_s, "latency_s": out.latency_s,
             "shard": shard, "attempt": attempt, "valid": out.valid, "tool_call": getattr(spec, "tool_call", None),
+            "reasoning": out.reasoning, "reasoning_tokens": out.reasoning_tokens,
             "model": getattr(spec, "model", None), "logprobs": _logprobs_column(out, echo is not None),
             "embedding": out.embedding, "encoding_format": getattr(spec, "encoding_format", None),
             "prompt_index": prompt_index, **_lineage(spec), "engine": engine, "worker": worker, "reused_from": None}
@@ -149,6 +152,7 @@ def _empty(spec, choice: int, reason: FinishReason, error: str | None, waited_s:
     return {"id": spec.id, "choice": choice, "output": "", **dict.fromkeys(SUMMED_COLUMNS, 0),
             "finish_reason": reason.value,
             "error": error, "queue_s": waited_s, "ttft_s": None, "latency_s": waited_s,
-            "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "model": None,
+            "shard": shard, "attempt": attempt, "valid": None, "tool_call": None, "reasoning": None,
+            "reasoning_tokens": None, "model": None,
             "logprobs": None, "embedding": None, "encoding_format": None, "prompt_index": spec.prompt_index(choice),
             **_lineage(spec), "engine": None, "worker": None, "reused_from": None}

@@ -37,6 +37,7 @@ class Admission:
                 return error_outputs(request, error, len(prompt_ids), arrival)
             seq = Sequence(request.id, prompt_ids, request.params, self.output.detokenizer(prompt_ids, request.params),
                            arrival, timeout_s=request.timeout_s, pooling=request.pooling)
+            seq.think_opened = self.output.think_opened(request.messages is not None, prompt_ids)
         except Exception as e:
             return error_outputs(request, f"tokenisation failed: {e}", 0, arrival)
         error = self._error(request, seq)

@@ -124,7 +124,7 @@ class Engine:
 
     def tokenize(self, request: Request) -> list[int]:
         return prompt_token_ids(self.tokenizer, prompt=request.prompt, messages=request.messages, tools=request.tools,
-                                token_ids=request.prompt_token_ids)
+                                token_ids=request.prompt_token_ids, reasoning_effort=request.reasoning_effort)
 
     def generate(self, requests: Iterable[Request],
                  should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:

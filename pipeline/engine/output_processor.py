@@ -1,8 +1,9 @@
 """From sampled tokens to results: each token appended to its sequence (or put in its pending
 place, overlapped), the stop checks (grammar, stop tokens, stop strings, lengths), and a
-finished sequence retired, in one place (`_retire`), with its RequestOutput: its text, and
-its logprobs as token ids, texts and floats (pipeline.request.TokenLogprob; jobs.results
-makes OpenAI's entries of them)."""
+finished sequence retired, in one place (`_retire`), with its RequestOutput: its text (a
+thinking model's chat answer split from its reasoning: pipeline.reasoning), and its
+logprobs as token ids, texts and floats (pipeline.request.TokenLogprob; jobs.results makes
+OpenAI's entries of them)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.sequence import Sequence
 from pipeline.layers.grammar_masks import StructuredOutputs
 from pipeline.models.loader import read_hf_config
+from pipeline.reasoning import ThinkTags
 from pipeline.request import FinishReason, RequestOutput, TokenLogprob
 from pipeline.sampling_params import SamplingParams
 
@@ -25,6 +27,12 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self._token_texts: dict[int, str] = {}   # logprobs: each token's text
+        self.think = ThinkTags.of(tokenizer)      # None: the model does not think, answers stay whole
+
+    def think_opened(self, chat: bool, prompt_ids: list[int]) -> bool | None:
+        """Sequence.think_opened of a request: whether its prompt left a think block open,
+        for a chat request on a thinking model; else None (its answer is not split)."""
+        return self.think.opened_by(prompt_ids) if chat and self.think is not None else None
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
@@ -90,15 +98,19 @@ class OutputProcessor:
         if error is None and seq.finish_reason is FinishReason.ERROR and matcher is not None and matcher.is_error():
             error = StructuredOutputs.failure(matcher, seq.detokenizer.text)   # its grammar failed (_ends)
         scored = embedding is None
+        text, reasoning, reasoning_tokens = seq.detokenizer.text, None, None
+        if seq.think_opened is not None and scored:
+            reasoning, text, reasoning_tokens = self.think.split(text, seq.output_token_ids, seq.think_opened)
         return RequestOutput(
-            id=seq.request_id, text=seq.detokenizer.text, token_ids=list(seq.output_token_ids),
+            id=seq.request_id, text=text, token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason, error=error, prompt_tokens=seq.num_prompt_tokens,
             output_tokens=seq.num_output_tokens, queue_s=seq.first_scheduled_time - seq.arrival_time,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             latency_s=seq.finish_time - seq.arrival_time, cached_tokens=seq.num_cached_tokens or 0,
             draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens, valid=seq.valid,
             logprobs=self._logprobs(seq) if scored else None,
-            prompt_logprobs=self._prompt_logprobs(seq) if scored else None, choice=seq.choice, embedding=embedding)
+            prompt_logprobs=self._prompt_logprobs(seq) if scored else None, choice=seq.choice, embedding=embedding,
+            reasoning=reasoning, reasoning_tokens=reasoning_tokens)
 
     def _ends(self, seq: Sequence, token: int, num_output: int) -> bool:
         """Take seq's newest output token (its num_output-th, already in place): the grammar

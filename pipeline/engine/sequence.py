@@ -78,6 +78,9 @@ class Sequence:
         # forks once its prompt is computed (Engine: they share its KV blocks).
         self.choice = 0
         self.num_forks = params.n - 1
+        # A chat request on a thinking model (pipeline.reasoning.ThinkTags): whether its prompt
+        # left a think block open; None: its answer is not split.
+        self.think_opened: bool | None = None
         # Structured output (pipeline.structured_output): the grammar's matcher, advanced by
         # every output token; whether the answer was complete under it, once finished.
         self.matcher = None
@@ -116,6 +119,7 @@ class Sequence:
                          self.arrival_time, self.timeout_s)
         child.choice, child.num_forks = choice, 0
         child.prompt_logprobs = self.prompt_logprobs
+        child.think_opened = self.think_opened
         child.first_scheduled_time = self.first_scheduled_time
         return child
 

@@ -86,6 +86,8 @@ def test_each_responses_body_is_the_request_its_chat_body_is(tmp_path):
          {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3}),
         ({"input": "hi", "include": ["message.output_text.logprobs"]},
          {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+        ({"input": "hi", "reasoning": {"effort": "none", "summary": "auto"}},
+         {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "none"}),
         # Taken and ignored: what changes nothing about the answer in a batch, and any null.
         ({"input": "hi", "store": False, "metadata": {"team": "a"}, "user": "u", "service_tier": "auto",
           "truncation": "auto", "max_tool_calls": 2, "background": False, "stream": False,
@@ -110,7 +112,7 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         {"input": "hi", "tools": [tool], "tool_choice": {"type": "function", "name": "g"}},
         {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}},
         {"input": "hi", "max_output_tokens": 0},
-        {"input": "hi", "reasoning": {"effort": "low"}, "text": {"verbosity": "low"}},
+        {"input": "hi", "reasoning": {"effort": "extreme"}, "text": {"verbosity": "low"}},
         {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{bad"}]},
         {"instructions": "Be brief."},
         {"input": "hi", "stream": True, "truncation": "middle"},
@@ -134,8 +136,8 @@ def test_what_a_batch_cannot_do_is_a_bad_line_in_the_responses_words(tmp_path):
         5: 'tool_choice must name one of the tools (f) as {"type": "function", "name": ...}, got \'g\'',
         6: "text.format: Invalid type: objekt",
         7: "max_output_tokens must be between 1 and 1000000, got 0",
-        8: "unsupported field 'reasoning' (the model's chat template decides whether it reasons); text has "
-           "unsupported field 'verbosity' (the model's own length is not steered)",
+        8: "text has unsupported field 'verbosity' (the model's own length is not steered); reasoning.effort must "
+           "be one of 'none', 'minimal', 'low', 'medium', 'high', 'xhigh', 'max', got 'extreme'",
         9: "input[0].arguments is not valid JSON (Expecting property name enclosed in double quotes: line 1 "
            "column 2 (char 1))",
         10: "missing body.input",
