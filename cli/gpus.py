@@ -143,7 +143,8 @@ def run_on_gpus(Session, settings: Settings, job_id: str, gpus: list) -> None:
     logs = Path(tempfile.mkdtemp(prefix=f"pipeline-{job_id}-"))
     # Our settings reach the children in their environment (a ledger URL's password stays out of `ps`)
     ours = {"data_dir": str(settings.data_dir), "database_url": settings.database_url,
-            "shards_in_flight": str(settings.shards_in_flight)}
+            "shards_in_flight": str(settings.shards_in_flight),
+            **({"cost_per_hour": str(settings.cost_per_hour)} if settings.cost_per_hour is not None else {})}
     specs = [ChildSpec(f"gpu{g.index}", [*launcher, "resume", job_id],
                        {**_child_env(g), **{env_var(name): value for name, value in ours.items()},
                         env_var("metrics_port"): str(settings.metrics_port + g.index if settings.metrics_port else 0)},

@@ -26,7 +26,7 @@ from cli.options import engine_options, served_engine_options, settings_options
 @GPUS
 @NODE_NAME
 @served_engine_options
-@settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format")
+@settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format", "cost_per_hour")
 def worker_command(concurrency, loglevel, gpus, node_name, served_engines, settings):
     """Start a Celery worker that runs the shards of jobs for its engine, loaded at start-up.
 
@@ -60,6 +60,8 @@ def worker_command(concurrency, loglevel, gpus, node_name, served_engines, setti
     from workers.app import app, configure
 
     configure(settings)  # prefork children inherit it
+    from workers import energy   # what each shard's energy and device time are charged from (and at what rate)
+    energy.configure(settings, settings.served_engine_options()[0].get("device"), processes=concurrency)
     if concurrency > 1:
         pool, slots = "prefork", concurrency
         if settings.shards_in_flight > 1:

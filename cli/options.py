@@ -51,6 +51,9 @@ _SETTING_OPTIONS = {
     "max_queued_requests": dict(decls=("--max-queued-requests",), type=click.IntRange(min=0), show_default=True,
                                 help="Refuse a job that would put more requests than this in the queue "
                                      "(queued shards of live jobs; 0: no limit)."),
+    "cost_per_hour": dict(decls=("--cost-per-hour",), type=FiniteFloat(min=0), metavar="RATE",
+                          help="What an hour of this device costs: each shard's cost is its device-seconds x "
+                               "RATE / 3600, in the ledger and `pipeline status`  [default: none, no cost]"),
     "queued_grace_s": dict(decls=("--queued-grace",), type=FiniteFloat(min=0), show_default=True,
                            help="Re-enqueue shards queued for longer than this (seconds)."),
 }

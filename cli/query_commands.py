@@ -31,6 +31,7 @@ def status_command(job_id, as_json, settings):
         # next_step and the worker check look only at shards held under a lease
         shards = ledger.get_shards(s, job_id, ShardStatus.RUNNING) if job_id else []
         retries = ledger.retries_of(s, job_id) if job_id else []
+        usage = ledger.job_usage(s, job_id) if job_id and jobs[0].finished_at is None else None   # so far
     if as_json:
         objects = [render.batch(job, counts[job.id]) for job in jobs]
         click.echo(json.dumps(objects[0] if job_id else {"object": "list", "data": objects}, indent=2))
@@ -40,9 +41,9 @@ def status_command(job_id, as_json, settings):
             render.print_job(job, counts[job_id], f"no live worker serves its engine {job.engine_key}: start one "
                                                   f"with `{worker_command_for(job.engine_options)}`, or "
                                                   f"`pipeline resume {job.id}` finishes it here, in place",
-                             waiting=True)
+                             waiting=True, usage=usage)
         else:
-            render.print_job(job, counts[job_id], render.next_step(job, shards, now, retries))
+            render.print_job(job, counts[job_id], render.next_step(job, shards, now, retries), usage=usage)
         print_deliveries(Session, job)
     else:
         render.print_jobs(jobs, waiting=_waiting_for_workers(settings, jobs))

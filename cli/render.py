@@ -77,6 +77,9 @@ def print_summary(job) -> None:
     elif job.output_tok_s is not None:
         click.echo(f"  throughput: {job.output_tok_s:.1f} output tok/s, {job.total_tok_s:.1f} total tok/s "
                    f"over {job.wall_seconds:.1f} s")
+    if job.joules is not None:   # measured (workers.energy); `pipeline status` says why not
+        click.echo(f"  energy: {job.joules:.1f} J" + (f", {job.tokens_per_joule:.2f} tokens/J" if job.tokens_per_joule
+                                                      else "") + (f"; cost {job.cost:.6g}" if job.cost is not None else ""))
     click.echo(f"  results: {job.results_path}  (see: pipeline results {job.id})")
     if job.failed_requests:
         click.echo(f"  see the errors: pipeline results {job.id} --export errors.jsonl")
@@ -129,11 +132,14 @@ def next_step(job, shards, now, retries=()) -> str | None:
     return None
 
 
-def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = False) -> None:
-    """One job in detail; waiting: no live worker serves its engine."""
+def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = False, usage: dict | None = None,
+              ) -> None:
+    """One job in detail; waiting: no live worker serves its engine; usage: its energy so far
+    (jobs.ledger.job_usage) while it runs."""
     from rich.console import Console
     from rich.table import Table
 
+    from cli.energy import energy_rows
     from cli.retention import results_line
     from pipeline.engine_key import ran_batch_invariant
 
@@ -163,7 +169,8 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
             ("created", str(job.created_at)), ("started", str(job.started_at)), ("finished", str(job.finished_at)),
             ("wall s", _num(job.wall_seconds)), ("output tok/s", _num(job.output_tok_s)),
             ("latency p50/p95/p99 s", "/".join(_num(v) for v in (job.latency_p50, job.latency_p95, job.latency_p99))),
-            ("ttft p50/p95 s", "/".join(_num(v) for v in (job.ttft_p50, job.ttft_p95)))]
+            ("ttft p50/p95 s", "/".join(_num(v) for v in (job.ttft_p50, job.ttft_p95))),
+            *energy_rows(job, usage)]
     if job.error:
         rows.append(("error", job.error))
     for row in rows:

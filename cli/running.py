@@ -26,6 +26,8 @@ def run_here(Session, settings: Settings, job_id: str, engine_options: dict, gpu
     root = settings.data_dir
     with Session() as s:
         job = ledger.get_job(s, job_id)
+    from workers import energy   # the meter of this process's device, the rate (--cost-per-hour)
+    energy.configure(settings, (engine_options or {}).get("device"))
     bar = render.Progress(job.total_requests)
     try:
         with local_run.sigterm_as_interrupt(), local_run.cancelled_on_interrupt(Session, root, job_id):

@@ -64,10 +64,22 @@ class Settings:
     # How long a job's results are kept once it ended when it names no keep of its own
     # (`--keep`, a batch's output_expires_after), e.g. "30d"; empty: for ever (jobs.results.retention).
     keep_results: str = _setting("PIPELINE_KEEP_RESULTS", "")
+    # What an hour of a worker's device costs (`--cost-per-hour`, in any currency): a shard's cost is
+    # its device-seconds x this / 3600 (workers.energy); unset: no cost is recorded (null).
+    cost_per_hour: float | None = _setting("PIPELINE_COST_PER_HOUR", None)
+    # Where a CPU's RAPL energy counters are read (<dir>/intel-rapl:N/energy_uj; workers.energy).
+    powercap_dir: str = _setting("PIPELINE_POWERCAP_DIR", "/sys/class/powercap")
 
     def __post_init__(self) -> None:
         # frozen: the normalised values are set once, here
         object.__setattr__(self, "data_dir", Path(self.data_dir).resolve())
+        if isinstance(self.cost_per_hour, (str, int)):   # from the environment: a string setting (None default)
+            try:
+                object.__setattr__(self, "cost_per_hour", float(self.cost_per_hour))
+            except ValueError:
+                raise ValueError(f"PIPELINE_COST_PER_HOUR must be a number, got {self.cost_per_hour!r}") from None
+        if self.cost_per_hour is not None and not (math.isfinite(self.cost_per_hour) and self.cost_per_hour >= 0):
+            raise ValueError(f"PIPELINE_COST_PER_HOUR must be a finite number >= 0, got {self.cost_per_hour}")
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
         self.served_engine_options()   # a malformed PIPELINE_WORKER_ENGINES fails here, at start-up

@@ -5,6 +5,8 @@ What is counted, and when:
   to the ledger (count_results), from the rows committed, so that summed over every process
   they equal the ledger and the Parquet results; an attempt that commits nothing (lost,
   released, crashed) counts nothing;
+* energy, device-seconds and cost: what each shard was charged (workers.energy), when it
+  commits, as the results;
 * shards: each run_shard call by its outcome (runs_shards), "crashed" for one that raised
   (it is retried), and the shards the reaper gives up on (count_given_up_shard);
 * the engine: between the steps of its loop (EngineObserver): step time, running and waiting
@@ -59,6 +61,12 @@ TOKEN_COUNTERS = {"prompt_tokens": PROMPT_TOKENS, "output_tokens": GENERATED_TOK
 TOKEN_COUNTERS.update({name: Counter(f"pipeline_{name}", f"{name} of the requests committed (a summed result "
                                      "column).", LABELS) for name in SUMMED_COLUMNS if name not in TOKEN_COUNTERS})
 REQUESTS = Counter("pipeline_requests", "Requests committed, by finish reason.", (*LABELS, "finish_reason"))
+# What the shards committed were charged (workers.energy): each worker's busy time, split between its shards.
+ENERGY = Counter("pipeline_energy_joules", "Joules the device's energy counter (NVML, RAPL) counted for the shards "
+                 "committed (none where it is not readable).", LABELS)
+DEVICE_SECONDS = Counter("pipeline_device_seconds", "Device-seconds charged to the shards committed.", LABELS)
+COST = Counter("pipeline_cost", "Cost charged to the shards committed: device-seconds at the worker's "
+               "--cost-per-hour (none without a rate).", LABELS)
 SHARDS = Counter("pipeline_shards", "Shard runs by outcome (committed ones: completed, cancelled, failed).",
                  ("worker", "outcome"))
 PREEMPTIONS = Counter("pipeline_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
@@ -110,6 +118,18 @@ def count_results(rows: list[dict], model: str | None) -> None:
         if row["ttft_s"] is not None:   # it ran and produced tokens (not an error, not cancelled unstarted)
             TIME_TO_FIRST_TOKEN.labels(*labels).observe(row["ttft_s"])
             REQUEST_LATENCY.labels(*labels).observe(row["latency_s"])
+
+
+def count_usage(usage, model: str | None) -> None:
+    """What a shard just committed was charged (a workers.energy.Usage; None: nothing)."""
+    if usage is None:
+        return
+    labels = (model_label(model), _worker)
+    DEVICE_SECONDS.labels(*labels).inc(usage.device_seconds)
+    if usage.joules is not None:
+        ENERGY.labels(*labels).inc(max(usage.joules, 0.0))
+    if usage.cost is not None:
+        COST.labels(*labels).inc(usage.cost)
 
 
 def count_engine_load(model: str | None) -> None:

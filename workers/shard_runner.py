@@ -37,7 +37,7 @@ from jobs.reuse.stored_answers import answers_of, stored_answers
 from jobs.scheduling import expired_error
 from jobs.input.shard_files import read_shard
 from jobs.input.line_checks import RequestSpec
-from workers import logs, metrics
+from workers import energy, logs, metrics
 from workers.shard_requests import embedding_requests, prompt_requests, to_request
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ def shutting_down() -> bool:
 
 
 @metrics.runs_shards
+@energy.accounts_shards
 def run_shard(
     Session: sessionmaker[Session], root, job_id: str, index: int, *,
     engine_provider: Callable[[dict, str | None], AbstractContextManager], worker_name: str, lease_s: float = 60,
@@ -138,6 +139,7 @@ def run_shard(
                 released = ledger.release_shard(s, job_id, index, attempt)
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
+        usage = energy.charge_shard(Session, job_id, index, attempt)   # its joules, device-seconds, cost
         try:
             committed = commit_rows(Session, paths, job_id, index, attempt, rows, status,
                                     answers=answers_of(specs, rows))
@@ -148,6 +150,7 @@ def run_shard(
         if not committed:
             return ShardOutcome.LOST
         metrics.count_results(rows, job.model)
+        metrics.count_usage(usage, job.model)
     finally:
         lease.stop()
     finalize_job(Session, root, job_id)

@@ -21,6 +21,7 @@ STATS_COLUMNS = (
     "constrained_requests", "constrained_valid", "embedding_vectors", "reused_requests",
     "wall_seconds", "output_tok_s", "total_tok_s", "vectors_s",
     "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
+    "joules", "tokens_per_joule", "device_seconds", "cost", "energy_unmeasured",
 )
 
 
@@ -123,6 +124,13 @@ class Job(Base):
     latency_p99: Mapped[float | None] = mapped_column(Float)
     ttft_p50: Mapped[float | None] = mapped_column(Float)
     ttft_p95: Mapped[float | None] = mapped_column(Float)
+    # Energy and cost (workers.energy), summed over its shards at its end: null where a shard
+    # that ran was not measured (energy_unmeasured says why) or no rate was given (cost).
+    joules: Mapped[float | None] = mapped_column(Float)
+    tokens_per_joule: Mapped[float | None] = mapped_column(Float)   # tokens computed for it / joules
+    device_seconds: Mapped[float | None] = mapped_column(Float)
+    cost: Mapped[float | None] = mapped_column(Float)
+    energy_unmeasured: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)
     # The API key whose request created the job (`pipeline serve`); null for CLI jobs.
     api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
@@ -159,6 +167,15 @@ class Shard(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     error: Mapped[str | None] = mapped_column(Text)
+    # What its committed attempt was charged (workers.energy: the busy time between this
+    # worker's previous commit and its own): joules from the device's counter (null: none
+    # readable, energy_unmeasured says why; energy_meter names the counter), device-seconds,
+    # and their cost at the worker's --cost-per-hour (null: no rate).
+    joules: Mapped[float | None] = mapped_column(Float)
+    device_seconds: Mapped[float | None] = mapped_column(Float)
+    cost: Mapped[float | None] = mapped_column(Float)
+    energy_meter: Mapped[str | None] = mapped_column(String)
+    energy_unmeasured: Mapped[str | None] = mapped_column(Text)
 
 
 class Answer(Base):

@@ -12,6 +12,7 @@ from jobs.atomic_files import replace_durably
 from jobs.ledger.answers import add_answers
 from jobs.ledger.conditional import commit_if_won, execute, held
 from jobs.ledger.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from jobs.ledger.usage import USAGE_COLUMNS
 from jobs.results.result_row import SHARD_TOTALS
 
 
@@ -33,7 +34,8 @@ def claim_shard(s: Session, job_id: str, index: int, worker: str, lease_s: float
                        and_(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < now)))
             .values(status=ShardStatus.RUNNING, attempt=Shard.attempt + 1, worker=worker,
                     lease_expires_at=now + timedelta(seconds=lease_s), heartbeat_at=now,
-                    started_at=now, finished_at=None, error=None)
+                    started_at=now, finished_at=None, error=None,
+                    **dict.fromkeys(USAGE_COLUMNS))   # an earlier attempt's charge (ledger.usage) is not this one's
             .returning(Shard.attempt))
     attempt = s.execute(stmt, execution_options={"synchronize_session": False}).scalar()
     if attempt is None:

@@ -85,7 +85,7 @@ def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
             return
         try:
             wall = (ledger.utcnow() - (job.started_at or job.created_at)).total_seconds()
-            stats = compute_stats(job_paths.results_dir, wall)
+            stats = compute_stats(job_paths.results_dir, wall, ledger.job_usage(s, job_id))
             write_stats(stats, job_id, job_paths.stats_file)
         except Exception as e:
             # Never leave the job stuck in finalizing: record why it failed instead.

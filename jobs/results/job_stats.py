@@ -19,13 +19,14 @@ _FAILURES = pa.array([reason.value for reason in FinishReason if reason.is_failu
 _INT_KEYS = ("total_requests", "completed_requests", "failed_requests", *SUMMED_COLUMNS,
              "constrained_requests", "constrained_valid", "embedding_vectors", "reused_requests")
 _FLOAT_KEYS = ("prefix_hit_rate", "acceptance_rate", "wall_seconds", "output_tok_s", "total_tok_s", "vectors_s",
-               "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95")
+               "latency_p50", "latency_p95", "latency_p99", "ttft_p50", "ttft_p95",
+               "joules", "tokens_per_joule", "device_seconds", "cost")
 STATS_SCHEMA = pa.schema([("job_id", pa.string())]
                          + [(k, pa.int64()) for k in _INT_KEYS]
                          + [(k, pa.float64()) for k in _FLOAT_KEYS])
 
 
-def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
+def compute_stats(results_dir: str | os.PathLike, wall_seconds: float, usage: dict | None = None) -> dict:
     """Counts, token totals, throughput and latency percentiles of a job's results.
 
     total_requests counts requests (a request with n choices has n rows: tokens count over
@@ -42,6 +43,9 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
     requests answered from earlier jobs' results (jobs.reuse.stored_answers): the token totals include their
     tokens, but throughputs and percentiles are over the rows computed for this job only, so
     they stay what the engine did. Throughputs are None unless wall_seconds > 0.
+    usage: the job's energy and cost from its shards (jobs.ledger.job_usage), kept as they are
+    (None without it), with tokens_per_joule: the prompt and output tokens computed for the job
+    per joule (None without joules).
     """
     names = ["id", "choice", *SUMMED_COLUMNS, "finish_reason", "ttft_s", "latency_s", "valid", "reused_from"]
     # Whether a row has a vector, not the vectors: 1,000,000 of 384 floats would be 1.5 GB.
@@ -74,7 +78,15 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float) -> dict:
         "vectors_s": _per_second(vectors, wall_seconds) if vectors else None,
         "latency_p50": latency[0], "latency_p95": latency[1], "latency_p99": latency[2],
         "ttft_p50": ttft[0], "ttft_p95": ttft[1],
+        **_energy(usage or {}, computed_prompt + computed_output),
     }
+
+
+def _energy(usage: dict, computed_tokens: int) -> dict:
+    """The job's energy and cost figures (None: not measured), with why not, when given."""
+    joules = usage.get("joules")
+    return {**usage, **{k: usage.get(k) for k in ("joules", "device_seconds", "cost")},
+            "tokens_per_joule": computed_tokens / joules if joules else None}
 
 
 def _request_counts(table: pa.Table, ok: pa.ChunkedArray, failed: pa.ChunkedArray) -> dict[str, int]:

@@ -54,7 +54,13 @@ def test_compute_stats_on_known_numbers(jp):
         # numpy's linear interpolation over 1..100: error and cancelled rows are excluded.
         "latency_p50": 50.5, "latency_p95": 95.05, "latency_p99": 99.01,
         "ttft_p50": 0.505, "ttft_p95": 0.9505,
+        # energy and cost come from the ledger's shards (jobs.ledger.job_usage): none given here
+        "joules": None, "tokens_per_joule": None, "device_seconds": None, "cost": None,
     })
+    measured = compute_stats(jp.results_dir, 10.0, {"joules": 50.0, "device_seconds": 4.0, "cost": None,
+                                                    "energy_unmeasured": None})
+    assert measured["tokens_per_joule"] == pytest.approx(3025 / 50.0)   # prompt and output tokens computed
+    assert (measured["joules"], measured["device_seconds"], measured["cost"]) == (50.0, 4.0, None)
 
 
 def test_compute_stats_without_results(jp):

@@ -1,0 +1,51 @@
+"""Energy, device time and cost on the ledger: what a shard's attempt was charged, and a job's sums.
+
+The worker measures (workers.energy) and records its shard's charge just before it commits
+the shard, fenced by the attempt as every shard write is, so a finalizer that sees the
+shard committed sees its charge too; a claim clears what an earlier attempt recorded
+(shard_leases.claim_shard). A job's figures are the sums over its committed shards that
+were charged (those that ran in a worker or `pipeline run`; a shard the reaper gave up, or
+one answered at submit, ran nowhere and has none): joules only when every one of them was
+measured, cost only when every one had a rate, so a sum is never part of the truth.
+"""
+from __future__ import annotations
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from jobs.ledger.conditional import commit_if_won, held
+from jobs.ledger.models import Shard, ShardStatus
+
+USAGE_COLUMNS = ("joules", "device_seconds", "cost", "energy_meter", "energy_unmeasured")
+NOT_RUN = "no shard of it ran on a device: answered from stored answers, or never run"
+
+
+def record_shard_usage(s: Session, job_id: str, index: int, attempt: int, *, joules: float | None,
+                       device_seconds: float, cost: float | None, energy_meter: str | None,
+                       energy_unmeasured: str | None) -> bool:
+    """Set what attempt `attempt` of the shard was charged, while it still holds it."""
+    return commit_if_won(s, update(Shard).where(held(job_id, index, attempt)).values(
+        joules=joules, device_seconds=device_seconds, cost=cost, energy_meter=energy_meter,
+        energy_unmeasured=energy_unmeasured))
+
+
+def job_usage(s: Session, job_id: str) -> dict:
+    """The job's joules, device_seconds, cost and energy_unmeasured (why joules is null), over
+    its committed shards so far (the whole job once it ended)."""
+    rows = s.execute(select(Shard.index, Shard.joules, Shard.device_seconds, Shard.cost, Shard.energy_unmeasured)
+                     .where(Shard.job_id == job_id, Shard.status.in_(ShardStatus.terminal()),
+                            Shard.device_seconds.is_not(None))
+                     .order_by(Shard.index)).all()
+    s.commit()
+    if not rows:
+        return {"joules": None, "device_seconds": None, "cost": None, "energy_unmeasured": NOT_RUN}
+    unmeasured = [row for row in rows if row.joules is None]
+    why = None
+    if unmeasured:
+        first = unmeasured[0].energy_unmeasured or "no energy counter"
+        why = first if len(unmeasured) == len(rows) else \
+            f"{len(unmeasured)} of {len(rows)} shards not measured (shard {unmeasured[0].index}: {first})"
+    return {"joules": None if unmeasured else sum(row.joules for row in rows),
+            "device_seconds": sum(row.device_seconds for row in rows),
+            "cost": None if any(row.cost is None for row in rows) else sum(row.cost for row in rows),
+            "energy_unmeasured": why}
