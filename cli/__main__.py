@@ -1,4 +1,5 @@
 """`python -m cli`."""
 from cli import main
 
-main()
+if __name__ == "__main__":   # not again in a spawned child (pipeline.engine.tokenizer_pool), which imports this module
+    main()

@@ -36,7 +36,7 @@ def run_here(Session, settings: Settings, job_id: str, engine_options: dict, gpu
                 job = local_run.run_job(Session, root, job_id, engine_options,
                                         shards_in_flight=settings.shards_in_flight, lease_s=settings.lease_s,
                                         on_result=lambda row: row["choice"] or advance(row["finish_reason"]),  # a request's first answer
-                                        on_wait=WaitNotes(bar))
+                                        on_wait=WaitNotes(bar), tokenizer_processes=settings.tokenizer_processes)
     except local_run.EngineDidNotStart as e:
         raise Fail(f"job {job_id} failed: {e}", EXIT_JOB_NOT_COMPLETED) from None
     except KeyboardInterrupt as e:

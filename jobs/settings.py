@@ -45,6 +45,10 @@ class Settings:
     # starts once the batch has room): while one drains, the next already runs, so the
     # batch never runs dry at a shard boundary, and small shards fill it together.
     shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 8)
+    # Processes that tokenize the prompts of an engine's shards (pipeline.engine.tokenizer_pool),
+    # beside the engine; 0: its loop thread does, between steps. A chat template renders under
+    # the GIL, so a host feeding a fast GPU short requests wants them.
+    tokenizer_processes: int = _setting("PIPELINE_TOKENIZER_PROCESSES", 0)
     # The engines a worker serves: a JSON list of engine-option objects (EngineConfig
     # fields), e.g. '[{"model": "/models/a"}]'; empty: the default engine. `pipeline worker
     # --model DIR ...` sets it for the worker it starts. Validated as EngineConfig by the worker (workers.app).

@@ -103,11 +103,14 @@ class AdmissionGate:
         return loop is None or not loop.is_serving or loop.has_room
 
     def _settling_after(self, left: threading.Event, settle_s: float) -> Callable[[], bool]:
-        """True until the shard entering now has put its requests in, left, or settle_s passed."""
+        """True until the shard entering now has put its requests in, left, or settle_s passed.
+        Its requests are in once the loop has been fed by one more stream: the count of its
+        unfinished requests could not tell, since on short requests the engine finishes the
+        shards before it faster than the new one puts its first in."""
         engines, loop = self._engines, self._engines.loop
         deadline = time.monotonic() + settle_s
         if loop is None:   # the first shard builds the engine: the next waits for that
             return lambda: not left.is_set() and (
                 engines.building or (engines.loop is None and time.monotonic() < deadline))
-        before = loop.num_unfinished
-        return lambda: not left.is_set() and loop.num_unfinished <= before and time.monotonic() < deadline
+        before = loop.num_streams_fed
+        return lambda: not left.is_set() and loop.num_streams_fed <= before and time.monotonic() < deadline

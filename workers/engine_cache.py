@@ -66,10 +66,11 @@ class EngineCache:
     """
 
     def __init__(self, served: list[dict] | tuple = (), has_work: Callable[[str], bool] | None = None,
-                 switch_after_s: float = 10.0):
+                 switch_after_s: float = 10.0, tokenizer_processes: int = 0):
         self._served_options = list(served)
         self._served = {engine_key(options): EngineConfig(**options) for options in served}
         self._has_work, self._switch_after_s = has_work, switch_after_s
+        self._tokenizer_processes = tokenizer_processes   # the engine loop's (PIPELINE_TOKENIZER_PROCESSES)
         self._changed = threading.Condition()
         self._config: EngineConfig | None = None
         self._key: str | None = None   # the loaded engine's key
@@ -186,7 +187,8 @@ class EngineCache:
         try:
             for _ in range(_LOAD_TRIES):
                 before = engine_fingerprint(options)
-                loop = EngineLoop(lambda: build_engine(config), observer=EngineObserver())
+                loop = EngineLoop(lambda: build_engine(config), observer=EngineObserver(),
+                                  tokenizer_processes=self._tokenizer_processes)
                 fingerprint = engine_fingerprint(options)
                 if fingerprint == before:
                     break

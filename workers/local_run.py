@@ -69,9 +69,10 @@ def cancelled_on_interrupt(Session: sessionmaker[Session], root, job_id: str) ->
         raise
 
 
-def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_options: dict) -> EngineCache:
+def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_options: dict,
+                 tokenizer_processes: int = 0) -> EngineCache:
     """Build the job's engine; a model that cannot load fails the job (EngineDidNotStart), not each shard."""
-    engines = EngineCache()
+    engines = EngineCache(tokenizer_processes=tokenizer_processes)
     try:
         with engines.use(engine_options):
             pass   # built now; the cache keeps it for the shards
@@ -84,13 +85,14 @@ def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_optio
 def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: dict, *, shards_in_flight: int,
             lease_s: float, on_result: Callable[[dict], None] | None = None,
             on_wait: Callable[[ledger.Job, list[ledger.Shard]], None] | None = None,
-            poll_s: float = 1.0) -> ledger.Job:
+            poll_s: float = 1.0, tokenizer_processes: int = 0) -> ledger.Job:
     """Run job_id here until it ends; returns the ended job.
 
     Each pass runs the shards nobody holds (building the engine on the first that needs
     it). While only shards that live processes hold are left, it calls on_wait(job, those
     shards) and looks again every poll_s. A job nobody will end is ended here: all its
     shards ended but its finalizer died, or it is being cancelled and nobody holds a shard.
+    tokenizer_processes: the engine loop's (PIPELINE_TOKENIZER_PROCESSES).
     """
     engines: EngineCache | None = None
     try:
@@ -104,7 +106,7 @@ def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: d
             now = ledger.utcnow()
             free = [sh.index for sh in shards if _nobody_holds(sh, now)]
             if free and job.status in JobStatus.live():
-                engines = engines or start_engine(Session, root, job_id, engine_options)
+                engines = engines or start_engine(Session, root, job_id, engine_options, tokenizer_processes)
                 outcomes = run_shards(Session, root, job_id, free, engines, shards_in_flight=shards_in_flight,
                                       lease_s=lease_s, on_result=on_result)
                 if any(o not in (ShardOutcome.BUSY, ShardOutcome.SKIPPED) for o in outcomes):

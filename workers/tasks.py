@@ -42,7 +42,8 @@ def engines() -> EngineCache:
     global _engines
     with _making:
         if _engines is None:
-            _engines = EngineCache(served=settings().served_engine_options(), has_work=_has_work)
+            _engines = EngineCache(served=settings().served_engine_options(), has_work=_has_work,
+                                   tokenizer_processes=settings().tokenizer_processes)
         return _engines
 
 

@@ -16,8 +16,8 @@ def add_answers(s: Session, job_id: str, shard: int, answers: Iterable[tuple[str
     """Index (key, request id) answers of a shard, in the caller's transaction (commit_shard's)."""
     now = utcnow()
     rows = [{"job_id": job_id, "request_id": rid, "key": key, "shard": shard, "created_at": now} for key, rid in answers]
-    if rows:
-        s.execute(insert(Answer), rows)
+    if rows:   # a Core insert of the table: the ORM's bulk path costs a third more per row
+        s.execute(insert(Answer.__table__), rows)
 
 
 def find_answers(s: Session, keys: Iterable[str], *, exclude_job: str) -> dict[str, list[tuple[str, int, str]]]:

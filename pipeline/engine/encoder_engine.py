@@ -93,12 +93,18 @@ class EncoderEngine:
     def add_request(self, request: Request) -> list[RequestOutput]:
         return self.add_requests([request])[0]
 
-    def add_requests(self, requests: list[Request]) -> list[list[RequestOutput]]:
+    def tokenize_batch(self, requests: list[Request]) -> list[list[int] | Exception]:
+        """As Engine.tokenize_batch."""
+        return prompts_token_ids(self.tokenizer, requests)
+
+    def add_requests(self, requests: list[Request], token_ids: list[list[int] | Exception] | None = None
+                     ) -> list[list[RequestOutput]]:
         """As Engine.add_requests: each request's error results, [] for those queued; the
-        texts tokenized together (prompts_token_ids)."""
+        texts tokenized together (tokenize_batch, unless token_ids gives its result)."""
         arrival = time.perf_counter()
-        return [self._add(request, ids, arrival)
-                for request, ids in zip(requests, prompts_token_ids(self.tokenizer, requests))]
+        if token_ids is None:
+            token_ids = self.tokenize_batch(requests)
+        return [self._add(request, ids, arrival) for request, ids in zip(requests, token_ids)]
 
     def _add(self, request: Request, ids: list[int] | Exception, arrival: float) -> list[RequestOutput]:
         if request.pooling is None:

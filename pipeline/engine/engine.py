@@ -148,12 +148,20 @@ class Engine:
         instead, one per choice."""
         return self.add_requests([request])[0]
 
-    def add_requests(self, requests: list[Request]) -> list[list[RequestOutput]]:
-        """add_request for each, their prompts tokenized together (prompts_token_ids):
-        each request's error results, [] for those queued."""
+    def tokenize_batch(self, requests: list[Request]) -> list[list[int] | Exception]:
+        """Each request's prompt ids, or the exception that fails it (prompts_token_ids;
+        pipeline.engine.tokenizer_pool makes the same in other processes)."""
+        return prompts_token_ids(self.tokenizer, requests)
+
+    def add_requests(self, requests: list[Request], token_ids: list[list[int] | Exception] | None = None
+                     ) -> list[list[RequestOutput]]:
+        """add_request for each, their prompts tokenized together (tokenize_batch, unless
+        token_ids gives its result): each request's error results, [] for those queued."""
         arrival = clock.now()
+        if token_ids is None:
+            token_ids = self.tokenize_batch(requests)
         return [self.admission.admit(request, ids, arrival, self.overlap_steps)
-                for request, ids in zip(requests, prompts_token_ids(self.tokenizer, requests))]
+                for request, ids in zip(requests, token_ids)]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop these unfinished requests and free their blocks (unknown ids are ignored)."""

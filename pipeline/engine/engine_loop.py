@@ -28,6 +28,7 @@ down cleanly would still exit with SIGABRT.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import itertools
 import queue
@@ -67,18 +68,23 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine],
-                 observer: Callable[[object, float | None], None] | None = None):
+                 observer: Callable[[object, float | None], None] | None = None, tokenizer_processes: int = 0):
         """Build the engine with make_engine() in the loop's thread and start serving;
         whatever make_engine raises is raised here.
 
         observer(engine, step_s), if given, is called in the loop thread at the start of
         each round: after the last round's step or aborts, where nothing else touches the
-        engine (metrics read it there), with the seconds that step took (None: no step)."""
+        engine (metrics read it there), with the seconds that step took (None: no step).
+
+        tokenizer_processes > 0: callers' prompts are tokenized in that many processes of
+        their own (pipeline.engine.tokenizer_pool), else in the caller's thread."""
         self._observer = observer
         self._keys = itertools.count()
         self._wake = threading.Condition()
-        self._inbox: list[tuple[_Stream, Request]] = []   # new requests, oldest first
+        # New requests and their prompts' ids (or what failed them; None without a pool), oldest first.
+        self._inbox: list[tuple[_Stream, Request, list[int] | Exception | None]] = []
         self._aborts: list[_Stream] = []
+        self.num_streams_fed = 0   # generate calls that have put requests in so far (workers.admission)
         self._streams: dict[int, _Stream] = {}
         self._closed = False
         self._crashed: BaseException | None = None   # what ended the loop thread, if anything
@@ -92,6 +98,19 @@ class EngineLoop:
             self._thread.join()
             raise self._build_error
         self.lookahead = self.engine.lookahead   # requests a stream keeps in the engine
+        self._pool = None
+        if tokenizer_processes > 0:
+            from pipeline.engine.tokenizer_pool import TokenizerPool
+            self._pool = TokenizerPool(self.engine.model_dir, tokenizer_processes)
+
+    def _start_tokenizing(self, requests: list[Request]) -> Callable[[], list[list[int] | Exception] | None]:
+        """Start tokenizing requests in the pool's processes; the returned call gives their
+        ids (or what failed each). Without a pool it gives None: the loop thread tokenizes
+        them. (Rendering chat templates in the callers' threads instead measured slower: the
+        loop thread, which takes the GIL back after each torch call, then waits for it.)"""
+        if self._pool is not None:
+            return self._pool.start(requests)
+        return lambda: None
 
     @property
     def is_serving(self) -> bool:
@@ -125,22 +144,41 @@ class EngineLoop:
                 raise RuntimeError("the engine loop is closed")
             self._streams[stream.key] = stream
         pending = iter(requests)
+        ready: collections.deque = collections.deque()   # (request, its ids): tokenized ahead
+        next_chunk = None   # (requests, their ids when asked): the next lookahead's worth, being tokenized
         in_flight = 0
-        exhausted = False
+        exhausted = fed = False
+
+        def tokenize_next():
+            # The next lookahead's worth, started in the pool (_start_tokenizing) while the
+            # engine runs the chunk before it.
+            nonlocal exhausted
+            chunk = [dataclasses.replace(request, id=stream.internal_id(request.id))
+                     for request in itertools.islice(pending, self.lookahead)]
+            exhausted = len(chunk) < self.lookahead
+            return (chunk, self._start_tokenizing(chunk)) if chunk else None
+
         try:
             while True:
+                if not ready and not exhausted and next_chunk is None:
+                    next_chunk = tokenize_next()
+                if not ready and next_chunk is not None:
+                    chunk, ids = next_chunk
+                    ready.extend(zip(chunk, ids() or itertools.repeat(None)))
+                    next_chunk = None
                 batch = []
-                while not exhausted and in_flight + len(batch) < self.lookahead:
-                    request = next(pending, None)
-                    if request is None:
-                        exhausted = True
-                    else:
-                        batch.append((stream, dataclasses.replace(request, id=stream.internal_id(request.id))))
+                while ready and in_flight < self.lookahead:
+                    request, ids = ready.popleft()
+                    in_flight += request.params.n   # one result per choice
+                    batch.append((stream, request, ids))
                 if batch:
-                    in_flight += sum(request.params.n for _, request in batch)   # one result per choice
                     with self._wake:
+                        self.num_streams_fed += not fed
+                        fed = True
                         self._inbox.extend(batch)
                         self._wake.notify()
+                if next_chunk is None and not exhausted and len(ready) < self.lookahead:
+                    next_chunk = tokenize_next()   # once this batch is in
                 if in_flight == 0:
                     return
                 if should_stop is not None and should_stop():
@@ -171,6 +209,8 @@ class EngineLoop:
             self._closed = True
             self._wake.notify()
         self._thread.join()
+        if self._pool is not None:
+            self._pool.close()
 
     # ---- the loop thread ----------------------------------------------------------------
 
@@ -211,8 +251,10 @@ class EngineLoop:
                 engine.abort(stream.live_ids)
                 stream.live_ids.clear()
             aborted = {s.key for s in aborts}
-            inbox = [(stream, request) for stream, request in inbox if stream.key not in aborted]
-            for (stream, request), errors in zip(inbox, engine.add_requests([r for _, r in inbox])):
+            inbox = [item for item in inbox if item[0].key not in aborted]
+            requests = [request for _, request, _ in inbox]
+            token_ids = [ids for *_, ids in inbox] if self._pool is not None else None   # None: tokenized here
+            for (stream, request, _), errors in zip(inbox, engine.add_requests(requests, token_ids)):
                 if not errors:
                     stream.live_ids[request.id] = request.params.n
                 for error in errors:
@@ -240,7 +282,8 @@ class EngineLoop:
 
     @staticmethod
     def _deliver(stream: _Stream, out: RequestOutput) -> None:
-        stream.results.put(dataclasses.replace(out, id=out.id.split(":", 1)[1]))
+        out.id = out.id.split(":", 1)[1]   # the engine made it for this delivery alone: no copy
+        stream.results.put(out)
 
     def _fail_all(self, error: BaseException) -> None:
         """Drop every live request (the engine may have dropped them already) and tell
