@@ -145,7 +145,7 @@ def run_on_gpus(Session, settings: Settings, job_id: str, gpus: list) -> None:
     ours = {"data_dir": str(settings.data_dir), "database_url": settings.database_url,
             "shards_in_flight": str(settings.shards_in_flight),
             **({"cost_per_hour": str(settings.cost_per_hour)} if settings.cost_per_hour is not None else {})}
-    specs = [ChildSpec(f"gpu{g.index}", [*launcher, "resume", job_id],
+    specs = [ChildSpec(f"gpu{g.index}", [*launcher, "resume", job_id, "--gpus", "none"],
                        {**_child_env(g), **{env_var(name): value for name, value in ours.items()},
                         env_var("metrics_port"): str(settings.metrics_port + g.index if settings.metrics_port else 0)},
                        logs / f"gpu{g.index}.log") for g in gpus]

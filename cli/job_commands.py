@@ -163,8 +163,9 @@ def run_command(file, engine_options, columns, shard_size, request_timeout, keep
 @PRIORITY
 @COMPLETION_WINDOW
 @click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
+@GPUS
 @settings_options("broker_url", "shards_in_flight", "cost_per_hour")
-def retry_command(job_id, only_failed, local, shard_size, priority, completion_window, wait, settings):
+def retry_command(job_id, only_failed, local, shard_size, priority, completion_window, wait, gpus, settings):
     """Run the requests of an ended job that have no answer again, as a new job.
 
     Those are the failed ones (finish_reason error or timeout), the cancelled ones and the
@@ -179,8 +180,8 @@ def retry_command(job_id, only_failed, local, shard_size, priority, completion_w
     from jobs.submission import NothingToRetry, create_retry_job
 
     check_job_id(job_id)
-    if local:
-        serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
+    if gpus is not None and not local:
+        raise Fail("--gpus splits a job run here: give it with --local (queued, the workers choose)", EXIT_USAGE)
     Session = sessions(settings)
     with Session() as s:
         get_job(s, job_id)
@@ -201,7 +202,7 @@ def retry_command(job_id, only_failed, local, shard_size, priority, completion_w
         with Session() as s:
             options = ledger.get_job(s, new_id).engine_options
         click.echo(f"job {new_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
-        run_here(Session, settings, new_id, options)
+        run_here(Session, settings, new_id, options, gpus=gpus_for_run(gpus, options, settings))   # as `pipeline run`
         return
     new_id = _submit(Session, settings, create).id
     click.echo(new_id)
@@ -211,8 +212,9 @@ def retry_command(job_id, only_failed, local, shard_size, priority, completion_w
 
 @click.command("resume")
 @click.argument("job_id")
+@GPUS
 @settings_options("shards_in_flight", "metrics_port", "cost_per_hour")
-def resume_command(job_id, settings):
+def resume_command(job_id, gpus, settings):
     """Finish an unfinished job here, in place: same job id, no broker or worker needed.
 
     For a job whose `pipeline run` died (SIGKILL, power loss) or whose workers are gone.
@@ -224,7 +226,6 @@ def resume_command(job_id, settings):
     from jobs import ledger
 
     check_job_id(job_id)
-    serve_metrics(settings)   # as `pipeline run` does, when PIPELINE_METRICS_PORT is set
     Session = sessions(settings)
     with Session() as s:
         job = get_job(s, job_id)
@@ -239,7 +240,8 @@ def resume_command(job_id, settings):
         done = sum(sh.status in ShardStatus.terminal() for sh in ledger.get_shards(s, job_id))
     click.echo(f"job {job_id}: resuming here, {done} of {job.num_shards} shard(s) already done "
                f"({job.completed_requests + job.failed_requests} of {job.total_requests} requests)", err=True)
-    run_here(Session, settings, job_id, job.engine_options)
+    # One engine per GPU as `pipeline run --gpus` (whose children are this command, one GPU each); metrics as run's.
+    run_here(Session, settings, job_id, job.engine_options, gpus=gpus_for_run(gpus, job.engine_options, settings))
 
 
 @click.command("cancel")

@@ -198,3 +198,27 @@ def test_run_gpus_sigterm_cancels_the_job_keeping_what_finished(sqlite_url, clus
     table = read_results(JobPaths(c.root, job_id).results_dir)   # each id once: the held ones cancelled
     assert sorted(table["id"].to_pylist()) == [r["id"] for r in rows]
     assert "cancelled" in table["finish_reason"].to_pylist()
+
+
+def test_resume_gpus_finishes_a_queued_job_in_one_process_per_gpu(sqlite_url, cluster_factory, tmp_path):
+    """`pipeline resume JOB --gpus 0,1` (here CPU engines, pinned by number) splits what is left
+    of a job as `pipeline run --gpus` does: both children compute, each id once."""
+    c = cluster_factory(sqlite_url)
+    rows = long_rows("held-", 4, 16)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    job_id = c.cli("submit", src, "--model", c.model_dir, "--device", "cpu", "--kv-cache-gib", "0.05",
+                   "--shard-size", "2").stdout.strip()   # queued: no worker consumes its queue
+    resume = c.start_cli("resume", job_id, "--gpus", "0,1", "--shards-in-flight", "1", held=True)
+    busy = c.wait_for("each child running a shard",
+                      lambda: len({sh.worker for sh in c.shards(job_id) if sh.status == "running"}) == 2)
+    assert busy
+    c.release()
+    assert resume.wait(timeout=WAIT_S) == 0, c.log(resume)
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    assert len({sh.worker for sh in c.shards(job_id)}) == 2   # both computed
+
+
+def test_retry_gpus_needs_local(sqlite_url, cluster_factory):
+    c = cluster_factory(sqlite_url)
+    done = c.cli("retry", "job_0123456789abcdef", "--gpus", "2")
+    assert done.returncode == 2 and "--gpus splits a job run here: give it with --local" in done.stderr, done.stderr
