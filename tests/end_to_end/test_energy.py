@@ -58,6 +58,17 @@ def _check_measured(job, shards, watts: float, data_root) -> None:
         [job.joules, job.tokens_per_joule, job.device_seconds, job.cost])
 
 
+
+def _the_job_and_its_shards(db_url: str):
+    """The ledger's one job and its shards."""
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            (job,) = list_jobs(s)
+            return job, get_shards(s, job.id)
+    finally:
+        engine.dispose()
+
 def test_pipeline_run_measures_each_shard_from_the_rapl_counters(runner, db_url, data_root, tiny_model_dir, tmp_path,
                                                                  monkeypatch):
     monkeypatch.setenv("COLUMNS", "500")   # status lines unwrapped
@@ -70,13 +81,7 @@ def test_pipeline_run_measures_each_shard_from_the_rapl_counters(runner, db_url,
         result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "4", *FAST,
                                       "--database-url", db_url, "--cost-per-hour", str(RATE)])
     assert result.exit_code == 0, result.output
-    engine = make_engine(db_url)
-    try:
-        with session_factory(engine)() as s:
-            (job,) = list_jobs(s)
-            shards = get_shards(s, job.id)
-    finally:
-        engine.dispose()
+    job, shards = _the_job_and_its_shards(db_url)
     assert job.num_shards == 3
     _check_measured(job, shards, cap.watts, data_root)
     assert f"energy: {job.joules:.1f} J, {job.tokens_per_joule:.2f} tokens/J; cost {job.cost:.6g}" in result.stdout
@@ -110,13 +115,7 @@ def test_without_a_readable_counter_the_joules_are_null_and_status_says_why(runn
     result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "2", *FAST,
                                   "--database-url", db_url])   # and no rate
     assert result.exit_code == 0, result.output
-    engine = make_engine(db_url)
-    try:
-        with session_factory(engine)() as s:
-            (job,) = list_jobs(s)
-            shards = get_shards(s, job.id)
-    finally:
-        engine.dispose()
+    job, shards = _the_job_and_its_shards(db_url)
     assert [(sh.joules, sh.cost, sh.energy_meter, sh.energy_unmeasured) for sh in shards] == [(None, None, None, why)] * 2
     assert all(sh.device_seconds > 0 for sh in shards)
     assert (job.joules, job.tokens_per_joule, job.cost, job.energy_unmeasured) == (None, None, None, why)
