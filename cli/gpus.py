@@ -144,6 +144,7 @@ def run_on_gpus(Session, settings: Settings, job_id: str, gpus: list) -> None:
     # Our settings reach the children in their environment (a ledger URL's password stays out of `ps`)
     ours = {"data_dir": str(settings.data_dir), "database_url": settings.database_url,
             "shards_in_flight": str(settings.shards_in_flight),
+            "tokenizer_processes": str(settings.tokenizer_processes),
             **({"cost_per_hour": str(settings.cost_per_hour)} if settings.cost_per_hour is not None else {})}
     specs = [ChildSpec(f"gpu{g.index}", [*launcher, "resume", job_id, "--gpus", "none"],
                        {**_child_env(g), **{env_var(name): value for name, value in ours.items()},

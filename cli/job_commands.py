@@ -132,7 +132,7 @@ def submit_command(file, engine_options, columns, shard_size, priority, completi
 @DRY_RUN
 @JSON_OUTPUT
 @GPUS
-@settings_options("shards_in_flight", "metrics_port", "cost_per_hour")
+@settings_options("shards_in_flight", "tokenizer_processes", "metrics_port", "cost_per_hour")
 def run_command(file, engine_options, columns, shard_size, request_timeout, keep, served_model_names, no_reuse, dry_run,
                 as_json, gpus, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
@@ -164,7 +164,7 @@ def run_command(file, engine_options, columns, shard_size, request_timeout, keep
 @COMPLETION_WINDOW
 @click.option("--wait", is_flag=True, help="Queued: show progress until the job ends; exit 1 unless it completed.")
 @GPUS
-@settings_options("broker_url", "shards_in_flight", "cost_per_hour")
+@settings_options("broker_url", "shards_in_flight", "tokenizer_processes", "cost_per_hour")
 def retry_command(job_id, only_failed, local, shard_size, priority, completion_window, wait, gpus, settings):
     """Run the requests of an ended job that have no answer again, as a new job.
 
@@ -213,7 +213,7 @@ def retry_command(job_id, only_failed, local, shard_size, priority, completion_w
 @click.command("resume")
 @click.argument("job_id")
 @GPUS
-@settings_options("shards_in_flight", "metrics_port", "cost_per_hour")
+@settings_options("shards_in_flight", "tokenizer_processes", "metrics_port", "cost_per_hour")
 def resume_command(job_id, gpus, settings):
     """Finish an unfinished job here, in place: same job id, no broker or worker needed.
 

@@ -26,7 +26,8 @@ from cli.options import engine_options, served_engine_options, settings_options
 @GPUS
 @NODE_NAME
 @served_engine_options
-@settings_options("broker_url", "shards_in_flight", "metrics_port", "log_format", "cost_per_hour")
+@settings_options("broker_url", "shards_in_flight", "tokenizer_processes", "metrics_port", "log_format",
+                  "cost_per_hour")
 def worker_command(concurrency, loglevel, gpus, node_name, served_engines, settings):
     """Start a Celery worker that runs the shards of jobs for its engine, loaded at start-up.
 

@@ -40,6 +40,9 @@ _SETTING_OPTIONS = {
     "shards_in_flight": dict(decls=("--shards-in-flight",), type=click.IntRange(min=1), show_default=True,
                              help="Most shards one engine runs at once, sharing its batches (each starts "
                                   "once the batch has room), so that it never runs dry between shards."),
+    "tokenizer_processes": dict(decls=("--tokenizer-processes",), type=click.IntRange(min=0), show_default=True,
+                                help="Processes that render and encode the next prompts beside the engine (for a "
+                                     "host feeding a fast GPU short requests); 0: the engine's thread does."),
     "metrics_port": dict(decls=("--metrics-port",), type=click.IntRange(0, 65535), metavar="PORT",
                          help="Serve Prometheus metrics at http://<host>:PORT/metrics while it runs  [default: off]"),
     "log_format": dict(decls=("--log-format",), type=click.Choice(LOG_FORMATS), show_default=True,

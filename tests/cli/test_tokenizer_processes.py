@@ -15,10 +15,11 @@ from cluster import write_jsonl
 
 def answers(tmp_path, model_dir, src, processes: int) -> dict:
     data = tmp_path / f"data-{processes}"
+    # The option for a pool, the setting for none: both reach the engine loop.
+    how = (["--tokenizer-processes", str(processes)], {}) if processes else ([], {"PIPELINE_TOKENIZER_PROCESSES": "0"})
     done = subprocess.run([sys.executable, "-m", "cli", "run", str(src), "--model", str(model_dir), *FAST,
-                           "--shard-size", "16"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PIPELINE_DATA_DIR": str(data),
-                               "PIPELINE_TOKENIZER_PROCESSES": str(processes)})
+                           "--shard-size", "16", *how[0]], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PIPELINE_DATA_DIR": str(data), **how[1]})
     assert done.returncode == 0, done.stderr
     (job_dir,) = (data / "jobs").iterdir()
     rows = read_results(JobPaths(data, job_dir.name).results_dir).to_pylist()
