@@ -14,13 +14,18 @@ ValueError with the same message, failing that request alone.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from types import SimpleNamespace
 
 from pipeline.prompts import prompts_token_ids
+
+log = logging.getLogger(__name__)
 
 CHUNK = 64   # requests a child takes at a time: enough to batch the Rust encoder, small enough to spread
 
@@ -29,8 +34,13 @@ _tokenizer = None   # in a child: its own tokenizer
 
 class TokenizerPool:
     def __init__(self, model_dir: Path, processes: int):
-        self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_load, initargs=(str(model_dir),))
+        self._model_dir, self._processes = str(model_dir), processes
+        self._lock = threading.Lock()
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_load, initargs=(self._model_dir,))
 
     def tokenize(self, requests: list) -> list[list[int] | Exception]:
         """As Engine.tokenize_batch (anything with prompt, messages, tools, prompt_token_ids
@@ -49,14 +59,34 @@ class TokenizerPool:
                                                 prompt_token_ids=None,
                                                 reasoning_effort=getattr(r, "reasoning_effort", None))))
         chunks = [todo[at:at + CHUNK] for at in range(0, len(todo), CHUNK)]
-        results = self._pool.map(_tokenize, [[p for _, p in c] for c in chunks])   # submitted now
+        payloads = [[p for _, p in c] for c in chunks]
+        pool = self._pool
+        try:
+            results = pool.map(_tokenize, payloads)   # submitted now
+        except BrokenProcessPool:
+            results = None   # a child died before: started again below
 
         def result() -> list[list[int] | Exception]:
-            for chunk, items in zip(chunks, results):
+            try:
+                done = list(results) if results is not None else None
+            except BrokenProcessPool:
+                done = None
+            if done is None:   # a child died (OOM, a kill): a new pool does these again, once
+                log.warning("a tokenizer process died: starting the tokenizer processes again")
+                done = list(self._replace(pool).map(_tokenize, payloads))
+            for chunk, items in zip(chunks, done):
                 for (i, _), item in zip(chunk, items):
                     ids[i] = item
             return ids
         return result
+
+    def _replace(self, broken: ProcessPoolExecutor) -> ProcessPoolExecutor:
+        """A working pool in place of `broken` (another caller may have replaced it already)."""
+        with self._lock:
+            if self._pool is broken:
+                broken.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool()
+            return self._pool
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -54,3 +54,21 @@ def test_answers_through_a_pool_are_those_without_one(engine):
     assert len(answers[1]) == len(requests)
     assert answers[1]["broken"][2] and "tokenisation failed" in answers[1]["broken"][2]
     assert all(error is None for rid, (_, _, error) in answers[1].items() if rid != "broken")
+
+
+def test_a_pool_whose_process_died_is_started_again(engine, tiny_model_dir):
+    """A tokenizer process killed (the OOM killer) breaks its pool: the next call starts a new
+    one and still gives the engine's ids, so the worker does not fail every later shard."""
+    import os
+    import signal
+
+    requests = mixed_requests(20)
+    pool = TokenizerPool(tiny_model_dir, 1)
+    try:
+        assert pool.tokenize(requests) == engine.tokenize_batch(requests)
+        (pid,) = pool._pool._processes   # the one child, started by the first call
+        os.kill(pid, signal.SIGKILL)
+        assert pool.tokenize(requests) == engine.tokenize_batch(requests)
+        assert pid not in pool._pool._processes
+    finally:
+        pool.close()
