@@ -77,7 +77,7 @@ class EngineLoop:
         engine (metrics read it there), with the seconds that step took (None: no step).
 
         tokenizer_processes > 0: callers' prompts are tokenized in that many processes of
-        their own (pipeline.engine.tokenizer_pool), else in the caller's thread."""
+        their own (pipeline.engine.tokenizer_pool), else by the loop thread between steps."""
         self._observer = observer
         self._keys = itertools.count()
         self._wake = threading.Condition()
