@@ -10,29 +10,44 @@ from cli.errors import EXIT_USAGE, Fail
 
 
 def report_dry_run(settings: Settings, file, engine_options: dict, served_model_names, reuse: bool,
-                   as_json: bool, engine_here: bool, columns=None) -> None:
+                   as_json: bool, engine_here: bool, columns=None, several=None) -> None:
     """Say what the job of FILE would do, creating nothing; a bad file fails as a submit does (exit 2).
     engine_here: the job's engine would be built here from its options (`pipeline run`); a
-    submitted job runs on the workers' engines, built from their own (their KV caches are theirs)."""
+    submitted job runs on the workers' engines, built from their own (their KV caches are theirs).
+    several: a job of several models (jobs.several_models.SeveralEngines): a dry run per model, each
+    counting that model's lines."""
     from jobs.dry_run import dry_run
     from jobs.input.line_checks import InvalidInput
 
-    check_model(engine_options.get("model"))
+    for options in (several.options if several is not None else [engine_options]):
+        check_model(options.get("model"))
     if file == "-":
         raise Fail("--dry-run needs a file: standard input can be read only once", EXIT_USAGE)
     model = engine_options.get("model")
+    runs = ([(None, engine_options, tuple(served_model_names) or model, None)] if several is None else
+            [(name, options, several.names, lambda m, i=i: several.model_of(m) == i)
+             for i, (name, options) in enumerate(zip(several.models, several.options))])
+    results = []
     try:
-        result = dry_run(file, engine_options=engine_options, model_names=tuple(served_model_names) or model,
-                         database_url=settings.database_url, root=settings.data_dir, reuse=reuse,
-                         engine_here=engine_here, columns=columns)
+        for name, options, names, only in runs:
+            results.append((name, dry_run(file, engine_options=options, model_names=names,
+                                          database_url=settings.database_url, root=settings.data_dir, reuse=reuse,
+                                          engine_here=engine_here, columns=columns, only=only)))
     except InvalidInput as e:
         raise Fail(e.validation.describe(file, "nothing was created (a dry run creates nothing anyway)"),
                    EXIT_USAGE) from None
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps(results[0][1].as_dict() if several is None else
+                              {"models": [{"model": name, **r.as_dict()} for name, r in results]}))
         return
-    r = result
     click.echo(f"dry run of {file}: nothing was created")
+    for name, r in results:
+        if name is not None:
+            click.echo(f"model {name}:")
+        _report(r, reuse, engine_here)
+
+
+def _report(r, reuse: bool, engine_here: bool) -> None:
     click.echo(f"  requests: {r.lines} ({r.rows} result rows)")
     click.echo(f"  prompt tokens: {r.prompt_tokens:,} in all, {r.max_prompt_tokens:,} at most")
     if r.kv_cache_tokens is not None and r.kv_cache_tokens < r.context_length:

@@ -15,7 +15,8 @@ from cli.errors import (
 )
 from cli.dry_run import check_model, report_dry_run
 from cli.gpus import GPUS, gpus_for_run
-from cli.options import FiniteFloat, engine_options, settings_options, table_columns
+from cli.options import FiniteFloat, job_engine_options, settings_options, table_columns
+from cli.several_models import job_models, several_engines, warn_unserved
 from cli.retention import KEEP, keep_seconds
 from cli.running import run_here, wait_until_completed
 from cli.webhooks import notify_options, notifying
@@ -80,7 +81,7 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 
 @click.command("submit")
 @click.argument("file", type=INPUT_FILE)
-@engine_options
+@job_engine_options
 @table_columns
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @PRIORITY
@@ -97,7 +98,7 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 @DRY_RUN
 @JSON_OUTPUT
 @settings_options("broker_url", "max_queued_requests")
-def submit_command(file, engine_options, columns, shard_size, priority, completion_window, request_timeout, keep,
+def submit_command(file, engine_options, several_models, columns, shard_size, priority, completion_window, request_timeout, keep,
                    wait_for_capacity, wait, served_model_names, no_reuse, notify, dry_run, as_json, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
@@ -105,14 +106,15 @@ def submit_command(file, engine_options, columns, shard_size, priority, completi
     With PIPELINE_MAX_QUEUED_REQUESTS set, a job that would queue more requests than that
     is refused (exit 4, nothing created) or, with --wait-for-capacity, waits for room.
     """
+    several = several_engines(several_models, served_model_names)
     if dry_run:
         return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
-                              engine_here=False, columns=columns)
+                              engine_here=False, columns=columns, several=several)
     Session = sessions(settings)
     scheduling = dict(priority=priority or "normal", completion_window=completion_window,
                       request_timeout_s=request_timeout, max_queued_requests=settings.max_queued_requests or None,
                       queue=settings.queue, served_names=tuple(served_model_names), reuse=not no_reuse, columns=columns,
-                      keep_seconds=keep_seconds(keep, settings))
+                      keep_seconds=keep_seconds(keep, settings), models=job_models(several))
     job = _submit(Session, settings, notifying(Session, notify, lambda: _create_job(
         Session, settings, file, engine_options, shard_size, scheduling, wait_for_capacity=wait_for_capacity)))
     click.echo(job.id)
@@ -122,7 +124,7 @@ def submit_command(file, engine_options, columns, shard_size, priority, completi
 
 @click.command("run")
 @click.argument("file", type=INPUT_FILE)
-@engine_options
+@job_engine_options
 @table_columns
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @REQUEST_TIMEOUT
@@ -133,7 +135,7 @@ def submit_command(file, engine_options, columns, shard_size, priority, completi
 @JSON_OUTPUT
 @GPUS
 @settings_options("shards_in_flight", "tokenizer_processes", "metrics_port", "cost_per_hour")
-def run_command(file, engine_options, columns, shard_size, request_timeout, keep, served_model_names, no_reuse, dry_run,
+def run_command(file, engine_options, several_models, columns, shard_size, request_timeout, keep, served_model_names, no_reuse, dry_run,
                 as_json, gpus, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
@@ -142,14 +144,16 @@ def run_command(file, engine_options, columns, shard_size, request_timeout, keep
     cancelled (`pipeline retry JOB --local` runs the rest); a job whose process died
     (SIGKILL, power loss) is finished in place by `pipeline resume JOB`.
     """
+    several = several_engines(several_models, served_model_names)
     if dry_run:
         return report_dry_run(settings, file, engine_options, served_model_names, not no_reuse, as_json,
-                              engine_here=True, columns=columns)
+                              engine_here=True, columns=columns, several=several)
     gpu_list = gpus_for_run(gpus, engine_options, settings)   # and the metrics served here, unless per GPU
     Session = sessions(settings)
     job_id, sizes = _create_job(Session, settings, file, engine_options, shard_size,
                                 dict(request_timeout_s=request_timeout, served_names=tuple(served_model_names),
-                                     reuse=not no_reuse, columns=columns, keep_seconds=keep_seconds(keep, settings)))
+                                     reuse=not no_reuse, columns=columns, keep_seconds=keep_seconds(keep, settings),
+                                     models=job_models(several)))
     click.echo(f"job {job_id}: {sum(sizes)} requests in {len(sizes)} shard(s)", err=True)
     run_here(Session, settings, job_id, engine_options, gpus=gpu_list)
 
@@ -363,7 +367,9 @@ def _submit(Session, settings: Settings, create):
         if answered:
             click.echo(f"{answered} of {job.total_requests} request(s) answered at submit from earlier jobs{whole}",
                        err=True)
-    if waiting_for_worker(settings, job) is True:
+    if job.models is not None:   # a job of several models: each model's engine
+        warn_unserved(settings, Session, job)
+    elif waiting_for_worker(settings, job) is True:
         click.echo(f"warning: no live worker serves engine {job.engine_key} (model {job.model}): the job's "
                    f"shards wait in queue {settings.queue_for(job.engine_key, job.queue)} until one starts, e.g.\n"
                    f"  {worker_command_for(job.engine_options)}", err=True)

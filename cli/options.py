@@ -204,6 +204,28 @@ def engine_options(f):
     return _with_engine_options(wrapper)
 
 
+def job_engine_options(f):
+    """engine_options for a job (`pipeline submit`, `pipeline run`): --model may be given several
+    times, a job of several models (each line names its own: docs/input-format.md), the other options
+    applying to each. Passes `engine_options` (the first model's, or none given: as engine_options)
+    and `several_models`: the option dicts of each model when there are several, else None."""
+    names = [field.name for field in fields(EngineConfig) if field.name != "model"]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        models = kwargs.pop("model")
+        shared = {name: value for name in names if (value := kwargs.pop(name)) is not None}
+        each = [_checked({**shared, "model": model}) for model in models] or [_checked(shared)]
+        if len({options["model"] for options in each}) < len(each):
+            raise click.UsageError("--model names the same model twice")
+        return f(*args, engine_options=each[0], several_models=each if len(each) > 1 else None, **kwargs)
+
+    return _with_engine_options(wrapper, model=dict(
+        multiple=True, metavar="DIR", help="Hugging Face model directory (repeatable: a job of several models, "
+                                            "each line naming its own; the other options apply to each)  "
+                                            "[default: bundled SmolLM2-135M-Instruct]"))
+
+
 def served_engine_options(f):
     """engine_options for a worker: --model may be given several times (one engine each, the
     other options shared), passed as `served_engines`, a list of option dicts ([] if none given)."""

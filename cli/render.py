@@ -140,6 +140,7 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
     from rich.table import Table
 
     from cli.energy import energy_rows
+    from cli.several_models import model_rows
     from cli.retention import results_line
     from pipeline.engine_key import ran_batch_invariant
 
@@ -170,7 +171,7 @@ def print_job(job, counts: dict, next_step: str | None = None, waiting: bool = F
             ("wall s", _num(job.wall_seconds)), ("output tok/s", _num(job.output_tok_s)),
             ("latency p50/p95/p99 s", "/".join(_num(v) for v in (job.latency_p50, job.latency_p95, job.latency_p99))),
             ("ttft p50/p95 s", "/".join(_num(v) for v in (job.ttft_p50, job.ttft_p95))),
-            *energy_rows(job, usage)]
+            *energy_rows(job, usage), *model_rows(job)]
     if job.error:
         rows.append(("error", job.error))
     for row in rows:

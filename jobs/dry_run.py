@@ -66,11 +66,14 @@ class DryRun:
 
 
 def dry_run(path, *, engine_options: dict, model_names, limits: Limits = Limits(),
-            database_url: str | None, root, reuse: bool = True, engine_here: bool = False, columns=None) -> DryRun:
+            database_url: str | None, root, reuse: bool = True, engine_here: bool = False, columns=None,
+            only=None) -> DryRun:
     """The figures of a dry run of `path`; InvalidInput (every bad line) as a submit would.
     engine_here: the job's engine is built here from engine_options (`pipeline run`), so
     its KV cache's size can be known before it exists. columns: a Parquet table's columns that
-    make its lines (jobs.input.request_source.TableColumns)."""
+    make its lines (jobs.input.request_source.TableColumns). only: which model's lines are counted
+    (a line's model name -> bool: a job of several models has a dry run per model, each of the
+    whole file's lines validated); None: every line."""
     from pipeline.models.loader import load_tokenizer, resolve_model_dir   # transformers: only here
 
     model_dir = resolve_model_dir(engine_options.get("model"))
@@ -98,6 +101,8 @@ def dry_run(path, *, engine_options: dict, model_names, limits: Limits = Limits(
 
     scan = Scan(path, with_vocabulary(limits, engine_options), model=model_names, columns=columns)
     for line in scan:
+        if only is not None and not only(line.get("model")):
+            continue
         request = RequestSpec.from_dict(line)
         # (an encoder cannot take a generation line: the file is refused below, untokenized)
         totals["lines"] += 1

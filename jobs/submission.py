@@ -24,6 +24,7 @@ from jobs.input.file_scan import write_input_shards
 from jobs.reuse.answer_key import engine_fingerprint
 from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.input.shard_files import check_shard_size, read_shard, write_retry_shards
+from jobs.several_models import SeveralEngines
 from jobs.ledger.statuses import JobStatus
 from pipeline.engine_key import engine_key
 from pipeline.models.model_dir import is_encoder, vocabulary_size
@@ -91,22 +92,31 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
                 queue: str | None = None, endpoint: str | None = None,
                 served_names: tuple[str, ...] = (), reuse: bool = True, columns=None,
-                keep_seconds: int | None = None) -> tuple[str, list[int]]:
+                keep_seconds: int | None = None, models: list[tuple[str, dict]] | None = None,
+                ) -> tuple[str, list[int]]:
     check_shard_size(shard_size)
+    several = SeveralEngines(models, served_names) if models and len(models) > 1 else None
+    if several is not None:
+        model, engine_options = models[0]
     job_paths = JobPaths(root, job_id)
     try:
         # The engine's fingerprint, on which a shard makes its requests' keys (jobs.reuse.answer_key:
         # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse.stored_answers).
-        engine = engine_fingerprint(engine_options)
-        limits = with_vocabulary(limits, engine_options)
+        engine = engine_fingerprint(engine_options) if several is None else several.fingerprints[0]
+        limits = with_vocabulary(limits, engine_options) if several is None else several.limits(limits)
         # One pass validates the file and writes its shards; a bad file leaves none.
-        validation, shard_sizes = write_input_shards(path, job_paths.input_dir, shard_size, limits,
-                                                     model=tuple(served_names) or model, columns=columns)
+        validation, shard_sizes = write_input_shards(
+            path, job_paths.input_dir, shard_size, limits, columns=columns,
+            model=several.names if several is not None else tuple(served_names) or model)
+        shard_engines = None
+        if several is not None:   # each shard one model's lines: its engine's own queue
+            shard_sizes, shard_engines = several.group(job_paths.input_dir, len(shard_sizes), shard_size)
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):
             raise EndpointMismatch(validation.endpoint or "generation (the pipeline format)", endpoint)
-        check_model_can_answer(validation, engine_options.get("model"))
+        for options in (several.options if several is not None else [engine_options]):
+            check_model_can_answer(validation, options.get("model"))
         check_capacity(Session, validation.num_requests, max_queued_requests)
         with Session() as s:
             scope = None if api_key_id is None else ledger.answer_scope(s, api_key_id)
@@ -118,7 +128,8 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 shard_size=shard_size, shard_sizes=shard_sizes, metadata=metadata,
                 completion_window=completion_window, api_key_id=api_key_id, priority=priority,
                 request_timeout_s=request_timeout_s, queue=queue, reuse=reuse, engine_fingerprint=engine,
-                answer_scope=scope, keep_seconds=keep_seconds)
+                answer_scope=scope, keep_seconds=keep_seconds, shard_engines=shard_engines,
+                models=None if several is None else several.ledger_models())
     except BaseException:
         _remove_unmade(job_paths)
         raise

@@ -107,8 +107,10 @@ def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: d
             free = [sh.index for sh in shards if _nobody_holds(sh, now)]
             if free and job.status in JobStatus.live():
                 engines = engines or start_engine(Session, root, job_id, engine_options, tokenizer_processes)
-                outcomes = run_shards(Session, root, job_id, free, engines, shards_in_flight=shards_in_flight,
-                                      lease_s=lease_s, on_result=on_result)
+                outcomes = []
+                for indexes in _by_engine(job, shards, free):   # a several-model job: one model, then the next
+                    outcomes += run_shards(Session, root, job_id, indexes, engines, shards_in_flight=shards_in_flight,
+                                           lease_s=lease_s, on_result=on_result)
                 if any(o not in (ShardOutcome.BUSY, ShardOutcome.SKIPPED) for o in outcomes):
                     continue  # progress: look again at once
             else:
@@ -158,6 +160,15 @@ def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[
         raise
     pool.shutdown()
     return outcomes
+
+
+def _by_engine(job: ledger.Job, shards: list[ledger.Shard], free: list[int]) -> list[list[int]]:
+    """The free shards by the engine each runs on (its own, else the job's), in shard order."""
+    key_of = {sh.index: sh.engine_key or job.engine_key for sh in shards}
+    groups: dict[str, list[int]] = {}
+    for index in free:
+        groups.setdefault(key_of[index], []).append(index)
+    return list(groups.values())
 
 
 def _nobody_holds(shard: ledger.Shard, now) -> bool:

@@ -138,7 +138,7 @@ def recover(
     # (b) the reconciler, per queue: only the shards of routes whose queue is empty
     with Session() as s:
         candidates = ledger.queued_shards(s, older_than_s=queued_grace_s)
-        routes = ledger.routes(s, (job_id for job_id, _ in candidates))
+        routes = ledger.shard_routes(s, candidates)   # each shard's own queue (a several-model job's differ)
     idle: dict[tuple, bool] = {}   # (queue, engine key) -> nothing waits in it
     for route in sorted(set(routes.values()), key=str):
         queue = route[:2]
@@ -152,7 +152,7 @@ def recover(
                                     f"{type(e).__name__}: {e}")
     with Session() as s:
         lost = [(job_id, index) for job_id, index in candidates
-                if job_id in routes and idle[routes[job_id][:2]]
+                if (job_id, index) in routes and idle[routes[job_id, index][:2]]
                 and ledger.touch_queued(s, job_id, index, queued_grace_s)]
     report["reenqueued"] = lost
     _send(Session, enqueue, lost, report)
@@ -236,14 +236,14 @@ def _fail_exhausted(Session, root, job_id: str, index: int, max_attempts: int, w
 
 
 def _send(Session, enqueue: Enqueue, shards: list[tuple[str, int]], report: dict) -> None:
-    """Send shards on their jobs' routes (the queue each job was submitted on)."""
+    """Send shards on their routes (the queue each job was submitted on; its shard's engine's)."""
     if not shards:
         return
     with Session() as s:
-        routes = ledger.routes(s, (job_id for job_id, _ in shards))
+        routes = ledger.shard_routes(s, shards)
     by_route: dict[ledger.Route, list[tuple[str, int]]] = {}
     for job_id, index in shards:
-        route = routes.get(job_id, ledger.Route(None, None, DEFAULT_PRIORITY))
+        route = routes.get((job_id, index), ledger.Route(None, None, DEFAULT_PRIORITY))
         by_route.setdefault(route._replace(priority=route.priority or DEFAULT_PRIORITY), []).append((job_id, index))
     for route, group in by_route.items():
         try:

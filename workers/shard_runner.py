@@ -35,6 +35,7 @@ from jobs.reuse.answer_key import request_key
 from jobs.results.parquet_files import commit_rows
 from jobs.reuse.stored_answers import answers_of, stored_answers
 from jobs.scheduling import expired_error
+from jobs.several_models import shard_job
 from jobs.input.shard_files import read_shard
 from jobs.input.line_checks import RequestSpec
 from workers import energy, logs, metrics
@@ -102,7 +103,7 @@ def run_shard(
         if attempt is None or shard is None:  # (None: a message for a job that no longer exists)
             busy = shard is not None and shard.status == ShardStatus.RUNNING
             return ShardOutcome.BUSY if busy else ShardOutcome.SKIPPED
-        job = ledger.get_job(s, job_id)
+        job = shard_job(ledger.get_job(s, job_id), shard)   # a several-model job's shard: its own engine
     logs.bind_attempt(attempt)
     paths = JobPaths(root, job_id)
     last_attempt = attempt - shard.releases >= max_attempts

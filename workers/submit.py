@@ -50,8 +50,9 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
         job = ledger.get_job(s, job_id)
     left = _answer_from_earlier_jobs(Session, settings, job, len(sizes))
     try:
-        broker.enqueue_shards(settings, job.engine_key, ((job_id, index) for index in left), job.priority,
-                              prefix=job.queue)
+        for key, indexes in _by_engine(Session, job, left).items():   # a several-model job: each model's queue
+            broker.enqueue_shards(settings, key, ((job_id, index) for index in indexes), job.priority,
+                                  prefix=job.queue)
     except Exception as e:
         from jobs.results.finalize import abandon_job   # results and Parquet: only on this path (pyarrow: 0.5 s, 40 MB)
         abandon_job(Session, settings.data_dir, job_id, f"enqueueing the shards failed: {e}")
@@ -60,6 +61,18 @@ def submit(settings: Settings, Session: sessionmaker[Session], create: Callable[
         with Session() as s:
             job = ledger.get_job(s, job_id)
     return job
+
+
+def _by_engine(Session, job: ledger.Job, indexes: list[int]) -> dict[str, list[int]]:
+    """The shards to send, by the engine key of the queue each goes to (a one-model job: all the job's)."""
+    if job.models is None:
+        return {job.engine_key: indexes}
+    with Session() as s:
+        key_of = {shard.index: shard.engine_key or job.engine_key for shard in ledger.get_shards(s, job.id)}
+    by_key: dict[str, list[int]] = {}
+    for index in indexes:
+        by_key.setdefault(key_of[index], []).append(index)
+    return by_key
 
 
 def _answer_from_earlier_jobs(Session, settings: Settings, job: ledger.Job, num_shards: int) -> list[int]:

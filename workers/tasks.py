@@ -112,7 +112,7 @@ def run_shard_task(self, job_id: str, index: int) -> str:
     if outcome == ShardOutcome.RELEASED:  # this worker is shutting down: hand the shard to another one
         try:
             with Session() as s:
-                route = ledger.routes(s, [job_id])[job_id]
+                route = ledger.shard_routes(s, [(job_id, index)])[job_id, index]   # its own engine's queue
             broker.enqueue_shards(cfg, route.engine_key, [(job_id, index)], priority, prefix=route.queue)
         except Exception:  # it is queued in the ledger: the reconciler re-enqueues it
             log.warning("re-enqueueing released shard %s/%d failed", job_id, index, exc_info=True)

@@ -43,7 +43,7 @@ from jobs.input.validation import InvalidInput, LineError, Limits, RangeOutcome,
 __all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Validation", "iter_lines",
            "open_regular_file", "validate"]
 
-_PIPELINE_KEYS = {"id", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
+_PIPELINE_KEYS = {"id", "model", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS, *TEMPLATE_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _TABLE_FIELDS = _PIPELINE_KEYS | PIPELINE_EMBEDDING_KEYS   # a table's columns that are our format's fields
@@ -145,6 +145,7 @@ class _Reader:
         self.model_names = (None if job_model is None else _names_of(job_model) if isinstance(job_model, str)
                             else tuple(job_model))
         self.job_model = job_model if isinstance(job_model, str) else None
+        self.several = isinstance(job_model, SeveralModels)   # each line must name one of them
         self.input_format: str | None = None     # set by the first JSON-object line
         self.format_line: int | None = None
         self.endpoint: str | None = None         # set by the first OpenAI line with a known url
@@ -198,6 +199,8 @@ class _Reader:
             if line["id"] is None:
                 line["id"] = _default_id(number, self.unit)
             refused: list[str] = []
+            if self.several and line.get("model") is None:
+                self._check_model(None, refused)
             self._claim(number, line["id"], refused)
             if refused:
                 raise Bad("; ".join(refused))
@@ -281,6 +284,12 @@ class _Reader:
             problems.append(f"logit_bias names token id {max(beyond)}; the model's vocabulary has ids 0 to {vocab - 1}")
 
     def _check_model(self, model: str | None, problems: list[str]) -> None:
+        if self.several:
+            if model not in self.model_names:
+                named = "names no model" if model is None else f"names the model {model!r}, not one of the job's"
+                problems.append(f"the line {named}; a job of several models needs each line to name one of "
+                                f"{', '.join(map(repr, self.model_names))} (body.model, or model in our format)")
+            return
         if model is not None and self.model_names is not None and model not in self.model_names:
             if self.job_model is not None:
                 problems.append(f"model {model!r} is not the job's model {self.job_model!r}; a job runs one model "
@@ -292,20 +301,23 @@ class _Reader:
     def _pipeline(self, number: int, obj: dict, problems: list[str]):
         embedding = "input" in obj
         self._same_kind(number, EMBEDDINGS_ENDPOINT if embedding else None, problems)
-        allowed = PIPELINE_EMBEDDING_KEYS if embedding else _PIPELINE_KEYS
+        allowed = PIPELINE_EMBEDDING_KEYS | {"model"} if embedding else _PIPELINE_KEYS
         if not obj.keys() <= allowed:
             problems += [f"unknown field {k!r} (allowed{' in an embedding line' if embedding else ''}: "
                          f"{', '.join(sorted(allowed))})" for k in sorted(obj.keys() - allowed)]
         rid = obj.get("id")
         rid = (_default_id(number, self.unit) if rid is None
                else check(string, "id", rid, self.limits.max_id_chars, problems))
+        model = obj.get("model")   # which of the job's models answers it (docs/input-format.md)
+        if model is not None:
+            model = check(string, "model", model, self.limits.max_id_chars, problems)
         if embedding:
-            return rid, None, obj, _EMBEDDING
+            return rid, model, obj, _EMBEDDING
         if obj.get("prompt") is not None and obj.get("messages") is not None:
             problems.append("give either prompt or messages, not both")
         elif obj.get("prompt") is None and obj.get("messages") is None:
             problems.append("missing prompt or messages (give exactly one)")
-        return rid, None, obj, {}
+        return rid, model, obj, {}
 
     def _same_kind(self, number: int, endpoint: str | None, problems: list[str]) -> None:
         """A pipeline-format file is all generation or all embeddings (`input` lines): the first line decides."""
@@ -383,6 +395,16 @@ _EMBEDDING_SAMPLING = {name: default for name, default in SAMPLING_DEFAULTS.item
 
 def _default_id(number: int, unit: str = "line") -> str:
     return f"{unit}-{number:06d}"  # a stable id for a line (or a table's row) without one
+
+
+class SeveralModels(tuple):
+    """The names a line of a job of several models may use (each model as given, or its directory's
+    name): unlike one model's names, every line must name one of them."""
+
+
+def model_names(models) -> SeveralModels:
+    """The names of several models (their names as given), each model's names together."""
+    return SeveralModels(name for model in models for name in dict.fromkeys(_names_of(model)))
 
 
 def _names_of(job_model: str) -> tuple[str, str]:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
 
-from jobs.atomic_files import SyncedFolder
+from jobs.atomic_files import SyncedFolder, replace_durably
 from jobs.paths import JobPaths, input_shard_name
 from jobs.input.line_checks import RequestSpec
 
@@ -44,6 +46,50 @@ def write_shards(lines: Iterable[bytes], shard_dir: str | Path, shard_size: int)
                 shard.append(b"")   # each line ends with a newline, the last too
                 f.write(b"\n".join(shard))
             sizes.append(len(shard) - 1)
+    return sizes
+
+
+def group_by_model(shard_dir: str | Path, num_shards: int, model_of: Callable[[str | None], int], num_models: int,
+                   shard_size: int) -> tuple[list[int], list[int]]:
+    """Rewrite a job of several models' shards so that each holds the lines of one model: model 0's
+    lines first, in input order, then model 1's, ...; model_of: a line's `model` -> its model's index.
+    Returns (the new shards' sizes, each one's model index). The new shards are written beside
+    shard_dir and replace it whole (one pass over the shards per model: no line is held)."""
+    shard_dir = Path(shard_dir)
+    grouped = Path(tempfile.mkdtemp(prefix=f".{shard_dir.name}.", suffix=".grouped", dir=shard_dir.parent))
+    sizes: list[int] = []
+    models: list[int] = []
+    try:
+        with SyncedFolder(grouped) as folder:
+            for model in range(num_models):
+                def lines():
+                    for index in range(num_shards):
+                        with open(shard_dir / input_shard_name(index), "rb") as f:
+                            for line in f:
+                                if line.strip() and model_of(json.loads(line).get("model")) == model:
+                                    yield line.rstrip(b"\n")
+
+                new = _write_into(folder, lines(), shard_size, len(sizes))
+                sizes += new
+                models += [model] * len(new)
+        ungrouped = grouped.with_suffix(".ungrouped")   # a folder is not renamed over a full one
+        shard_dir.rename(ungrouped)
+        replace_durably(grouped, shard_dir)
+        shutil.rmtree(ungrouped)
+    finally:
+        shutil.rmtree(grouped, ignore_errors=True)
+    return sizes, models
+
+
+def _write_into(folder: SyncedFolder, lines: Iterable[bytes], shard_size: int, first: int) -> list[int]:
+    """write_shards' loop: shards numbered from `first` into an open folder."""
+    lines = iter(lines)
+    sizes: list[int] = []
+    while shard := list(itertools.islice(lines, shard_size)):
+        with folder.create(input_shard_name(first + len(sizes))) as f:
+            shard.append(b"")
+            f.write(b"\n".join(shard))
+        sizes.append(len(shard) - 1)
     return sizes
 
 

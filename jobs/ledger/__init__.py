@@ -48,7 +48,7 @@ from jobs.ledger.models import (
 )
 from jobs.ledger.progress_queries import jobs_by_status, live_engine_keys, live_jobs, live_shards_by_status
 from jobs.ledger.recovery_queries import (
-    Route, active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize, routes,
+    Route, active_jobs, cancel_orphaned_shards, expired_shards, queued_shards, retake_finalize, routes, shard_routes,
     stale_finalizing_jobs, take_over_expired, touch_queued, unfinalized_jobs,
 )
 from jobs.ledger.retention_queries import mark_results_expired, results_due, results_expire_at
@@ -68,7 +68,7 @@ __all__ = [
     "commit_shard", "count_error_rows", "create_job", "delete_file", "ensure_schema", "expire_if_due", "expired_shards", "fail_shard", "files_of_job",
     "find_key", "finish_job", "get_file", "get_job", "get_shards", "is_cancelling", "job_as_dict", "job_counts",
     "jobs_by_status", "jobs_of_key", "list_files", "list_jobs", "list_keys", "live_engine_keys", "live_jobs", "live_shards_by_status",
-    "make_engine", "note_shard_error", "open_sessions", "Route", "routes", "queued_requests", "queued_shards", "release_shard", "renew_lease", "request_cancel",
+    "make_engine", "note_shard_error", "open_sessions", "Route", "routes", "shard_routes", "queued_requests", "queued_shards", "release_shard", "renew_lease", "request_cancel",
     "retake_finalize", "retries_of", "revoke_key", "session_factory", "stale_finalizing_jobs", "stop_reason",
     "take_over_expired", "touch_queued", "try_finalize", "unfinalized_jobs", "upgrade", "utcnow",
     # webhooks

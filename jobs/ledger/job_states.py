@@ -20,12 +20,15 @@ def create_job(
     engine_key: str | None = None, api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
     request_timeout_s: float | None = None, queue: str | None = None, reuse: bool = True,
     engine_fingerprint: str | None = None, answer_scope: str | None = None, keep_seconds: int | None = None,
+    models: list[dict] | None = None, shard_engines: list[dict | None] | None = None,
 ) -> Job:
     """Insert a queued job with one queued shard per entry of shard_sizes; engine_key names
     the engine its shards need (pipeline.engine_key), which routes them to a queue;
     api_key_id: the API key that owns it, for jobs made through `pipeline serve`; queue:
     the PIPELINE_QUEUE prefix its shards are sent on (None for a job run in-process).
-    A completion_window (jobs.scheduling.parse_window) sets expires_at from now."""
+    A completion_window (jobs.scheduling.parse_window) sets expires_at from now. A job of several
+    models: models ([{"model", "engine_key"}] in order) and shard_engines (per shard, its engine's
+    {"engine_key", "engine_options", "engine_fingerprint"}; None: the job's own)."""
     paths.check_job_id(job_id)
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
@@ -41,11 +44,12 @@ def create_job(
         completion_window=completion_window, metadata_=metadata, api_key_id=api_key_id,
         total_requests=sum(shard_sizes), priority=priority, request_timeout_s=request_timeout_s,
         reuse=reuse, engine_fingerprint=engine_fingerprint, answer_scope=answer_scope,
-        created_at=now, expires_at=expires_at, keep_seconds=keep_seconds,
+        created_at=now, expires_at=expires_at, keep_seconds=keep_seconds, models=models,
     )
     s.add(job)
     s.flush()  # the job row must exist before its shards reference it
-    s.add_all(Shard(job_id=job_id, index=i, status=ShardStatus.QUEUED, num_requests=n)
+    engines = shard_engines or [None] * len(shard_sizes)
+    s.add_all(Shard(job_id=job_id, index=i, status=ShardStatus.QUEUED, num_requests=n, **(engines[i] or {}))
               for i, n in enumerate(shard_sizes))
     s.commit()
     return job
@@ -238,7 +242,8 @@ def finish_job(s: Session, job_id: str, status: str, stats: dict | None, error: 
     expired|failed, with the stats columns.
 
     stats is compute_stats()'s dict; its total_requests is ignored (the ledger keeps the
-    number of input requests), any other key must be one of STATS_COLUMNS.
+    number of input requests), any other key must be one of STATS_COLUMNS, or models (a job of
+    several models: jobs.models with each model's figures).
     """
     allowed_from = {
         JobStatus.COMPLETED: (JobStatus.FINALIZING,),
@@ -249,7 +254,9 @@ def finish_job(s: Session, job_id: str, status: str, stats: dict | None, error: 
     if status not in allowed_from:
         raise ValueError(f"cannot finish a job as {status!r}")
     values = {k: v for k, v in (stats or {}).items() if k != "total_requests"}
-    unknown = set(values) - set(STATS_COLUMNS)
+    if values.get("models", ...) is None:   # models: a several-model job's figures per model (jobs.models)
+        values.pop("models")
+    unknown = set(values) - set(STATS_COLUMNS) - {"models"}
     if unknown:
         raise ValueError(f"unknown stats keys: {sorted(unknown)}")
     stmt = (update(Job)

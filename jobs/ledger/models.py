@@ -68,6 +68,10 @@ class Job(Base):
     engine_options: Mapped[dict] = mapped_column(JSON)
     # The engine the job needs (pipeline.engine_key): its shards go to that key's queue.
     engine_key: Mapped[str | None] = mapped_column(String, index=True)
+    # A job of several models (0017): each model's `model` and engine_key, [{"model", "engine_key"}]
+    # in --model order; model, engine_options, engine_key and engine_fingerprint above are the
+    # first model's. Null for a one-model job. Its shards say which model each runs.
+    models: Mapped[list | None] = mapped_column(JSON)
     # The PIPELINE_QUEUE prefix it was submitted on (null: a local job, or one from before
     # 0007): recovery re-sends its shards to `<queue>.<engine_key>`, never another prefix.
     queue: Mapped[str | None] = mapped_column(String)
@@ -176,6 +180,11 @@ class Shard(Base):
     cost: Mapped[float | None] = mapped_column(Float)
     energy_meter: Mapped[str | None] = mapped_column(String)
     energy_unmeasured: Mapped[str | None] = mapped_column(Text)
+    # The engine of a several-model job's shard (0017): its queue's key, the options a worker builds
+    # it from, its fingerprint (its rows' `engine`, its requests' keys). Null: the job's own.
+    engine_key: Mapped[str | None] = mapped_column(String)
+    engine_options: Mapped[dict | None] = mapped_column(JSON)
+    engine_fingerprint: Mapped[str | None] = mapped_column(String)
 
 
 class Answer(Base):

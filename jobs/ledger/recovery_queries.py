@@ -167,3 +167,19 @@ def routes(s: Session, job_ids) -> dict[str, Route]:
             if ids else [])
     s.commit()
     return {job_id: Route(queue, key, priority) for job_id, queue, key, priority in rows}
+
+
+def shard_routes(s: Session, shards) -> dict[tuple[str, int], Route]:
+    """(job id, index) -> the route that shard is sent on: its job's, on its own engine's queue
+    where it has one (a several-model job's shard: Shard.engine_key)."""
+    wanted = set(shards)
+    by_job = routes(s, (job_id for job_id, _ in wanted))
+    own: dict[tuple[str, int], str] = {}
+    job_ids = sorted({job_id for job_id, _ in wanted})
+    for start in range(0, len(job_ids), 500):   # only several-model jobs' shards have a key of their own
+        stmt = select(Shard.job_id, Shard.index, Shard.engine_key).where(
+            Shard.job_id.in_(job_ids[start:start + 500]), Shard.engine_key.is_not(None))
+        own.update(((job_id, index), key) for job_id, index, key in s.execute(stmt))
+    s.commit()
+    return {shard: by_job[shard[0]]._replace(engine_key=own.get(shard, by_job[shard[0]].engine_key))
+            for shard in wanted if shard[0] in by_job}

@@ -22,7 +22,7 @@ from jobs.paths import JobPaths
 from jobs.results.parquet_files import write_final_shard
 from jobs.scheduling import expired_error
 from jobs.input.shard_files import read_shard
-from jobs.results.job_stats import compute_stats, write_stats
+from jobs.results.job_stats import compute_stats, model_counts, write_stats
 
 
 def finalize_job(Session: sessionmaker[Session], root, job_id: str) -> bool:
@@ -86,12 +86,21 @@ def _finish(Session, root, job_id: str, status: str, error: str | None) -> None:
         try:
             wall = (ledger.utcnow() - (job.started_at or job.created_at)).total_seconds()
             stats = compute_stats(job_paths.results_dir, wall, ledger.job_usage(s, job_id))
+            if job.models is not None:   # a job of several models: its figures per model too (jobs.models)
+                stats["models"] = _per_model(s, job, job_paths)
             write_stats(stats, job_id, job_paths.stats_file)
         except Exception as e:
             # Never leave the job stuck in finalizing: record why it failed instead.
             ledger.finish_job(s, job_id, JobStatus.FAILED, None, f"computing the statistics failed: {e}")
             raise
         ledger.finish_job(s, job_id, status, stats, error)
+
+
+def _per_model(s, job, job_paths: JobPaths) -> list[dict]:
+    """jobs.models with each model's requests and tokens (jobs.results.job_stats.model_counts)."""
+    index_of = {model["engine_key"]: i for i, model in enumerate(job.models)}
+    shard_models = [index_of.get(shard.engine_key, 0) for shard in ledger.get_shards(s, job.id)]
+    return model_counts(job_paths.results_dir, job.models, shard_models)
 
 
 def _write_missing_rows(s, job_paths: JobPaths, job) -> str | None:

@@ -82,6 +82,24 @@ def compute_stats(results_dir: str | os.PathLike, wall_seconds: float, usage: di
     }
 
 
+def model_counts(results_dir: str | os.PathLike, models: list[dict], shard_models: list[int]) -> list[dict]:
+    """A job of several models' figures per model: each entry of `models` (jobs.models) with its
+    requests (total, completed, failed: as compute_stats counts them) and tokens (prompt, output,
+    reused ones included). shard_models: the index in `models` of each shard's model."""
+    table = read_results(results_dir, columns={name: pc.field(name) for name in
+                                               ("id", "choice", "shard", "prompt_tokens", "output_tokens",
+                                                "finish_reason")})
+    model_of_row = pc.take(pa.array(shard_models, pa.int32()), table["shard"])
+    counts = []
+    for index, model in enumerate(models):
+        mine = table.filter(pc.equal(model_of_row, index))
+        reason = mine["finish_reason"]
+        ok = pc.fill_null(pc.is_in(reason, value_set=_SUCCESSES), False)
+        counts.append({**model, **_request_counts(mine, ok, pc.is_in(reason, value_set=_FAILURES)),
+                       "prompt_tokens": _sum(mine["prompt_tokens"]), "output_tokens": _sum(mine["output_tokens"])})
+    return counts
+
+
 def _energy(usage: dict, computed_tokens: int) -> dict:
     """The job's energy and cost figures (None: not measured), with why not, when given."""
     joules = usage.get("joules")

@@ -43,19 +43,26 @@ def answer_at_submit(Session, root, job) -> list[int]:
     are read only when every one of its keys was found. A stored answer that cannot be used
     after all (its result file gone) leaves the shard to a worker, which computes it."""
     every = list(range(job.num_shards))
-    if not job.reuse or job.engine_fingerprint is None:
+    if not job.reuse:
         return every
     with Session() as s:
-        if not ledger.any_answers_of(s, job.engine_fingerprint, job.answer_scope):
-            return every   # (before Parquet is imported: a first night's submit stays light, pyarrow is 40 MB)
+        # each shard's engine: a several-model job's shards have their own (ledger.Shard.engine_fingerprint)
+        fingerprint_of = ([job.engine_fingerprint] * job.num_shards if job.models is None else
+                          [shard.engine_fingerprint for shard in ledger.get_shards(s, job.id)])
+        known = {fp for fp in set(fingerprint_of) if fp is not None and ledger.any_answers_of(s, fp, job.answer_scope)}
+    if not known:
+        return every   # (before Parquet is imported: a first night's submit stays light, pyarrow is 40 MB)
     from jobs.results.finalize import finalize_job
     paths, left = JobPaths(root, job.id), []
     for index in every:
+        if fingerprint_of[index] not in known:
+            left.append(index)
+            continue
         # Keys from the shard's lines as they are (a line is its RequestSpec.to_dict()): the
         # requests themselves are made only for a shard that is answered whole.
         with open(paths.input_shard(index), "rb") as f:
             lines = [_decode(line) for line in f if line.strip()]
-        keys = [request_key(line, job.engine_fingerprint, job.answer_scope) for line in lines]
+        keys = [request_key(line, fingerprint_of[index], job.answer_scope) for line in lines]
         found = _found_all(Session, job.id, keys)
         if found is None:
             left.append(index)

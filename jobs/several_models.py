@@ -1,0 +1,94 @@
+"""A job of several models (`--model A --model B`): which model answers each line, and its shards'
+engines.
+
+Each line names its model (body.model in OpenAI lines, `model` in ours) by the names one model's
+job takes: the model as given, or its directory's name. A line naming none, or a model not among
+the job's, is a bad line (jobs.input.line_checks.SeveralModels). Once the file is valid its shards
+are rewritten so that each holds one model's lines (jobs.input.shard_files.group_by_model), and
+each shard's ledger row names its engine: the key of the queue it is sent on, the options a worker
+builds the engine from, the fingerprint its rows and answer keys carry. A job of one model has none
+of this: its rows stay as they were.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jobs.input.line_checks import SeveralModels, model_names
+from jobs.input.shard_files import group_by_model
+from jobs.input.validation import Limits
+from jobs.reuse.answer_key import engine_fingerprint
+from pipeline.engine_key import engine_key
+from pipeline.models.model_dir import vocabulary_size
+
+
+class SeveralEngines:
+    """The models of one job: models is [(the model as given, its engine options)] in --model order."""
+
+    def __init__(self, models: list[tuple[str, dict]], served_names: tuple[str, ...] = ()):
+        if served_names:
+            raise ValueError("--served-model-name names one model's served names; a job of several models "
+                             "takes none (its lines name each model as given or by its directory's name)")
+        self.models = [name for name, _ in models]
+        self.options = [options for _, options in models]
+        self.names: SeveralModels = model_names(self.models)
+        self._index: dict[str, int] = {}
+        for index, name in enumerate(self.models):
+            for alias in dict.fromkeys((name, Path(name).name)):
+                if self._index.setdefault(alias, index) != index:
+                    raise ValueError(f"the models {self.models[self._index[alias]]!r} and {name!r} are both "
+                                     f"called {alias!r}: a line could not say which it means")
+        self.keys = [engine_key(options) for options in self.options]
+        self._fingerprints: list[str | None] | None = None
+
+    @property
+    def fingerprints(self) -> list[str | None]:
+        if self._fingerprints is None:   # reads every model's files: only once the file is valid
+            self._fingerprints = [engine_fingerprint(options) for options in self.options]
+        return self._fingerprints
+
+    def model_of(self, name: str | None) -> int:
+        """The index of the model a (valid) line names."""
+        return self._index[name]
+
+    def limits(self, limits: Limits) -> Limits:
+        """limits with the models' vocabulary when they share one (else token ids are checked by the engine)."""
+        if limits.vocab_size is not None:
+            return limits
+        sizes = {vocabulary_size(options.get("model")) for options in self.options}
+        return dataclasses.replace(limits, vocab_size=sizes.pop()) if len(sizes) == 1 else limits
+
+    def group(self, shard_dir, num_shards: int, shard_size: int) -> tuple[list[int], list[dict]]:
+        """Regroup the job's shards by model: (their sizes, each one's engine for its ledger row)."""
+        sizes, models = group_by_model(shard_dir, num_shards, self.model_of, len(self.models), shard_size)
+        return sizes, [self.shard_engine(model) for model in models]
+
+    def shard_engine(self, model: int) -> dict:
+        return {"engine_key": self.keys[model], "engine_options": self.options[model],
+                "engine_fingerprint": self.fingerprints[model]}
+
+    def ledger_models(self) -> list[dict]:
+        """jobs.models: each model as given, with its engine key and fingerprint."""
+        return [{"model": name, "engine_key": key, "engine_fingerprint": fingerprint}
+                for name, key, fingerprint in zip(self.models, self.keys, self.fingerprints)]
+
+
+class ShardJob:
+    """A job as one of its shards runs it: a several-model job's shard has its own engine (options,
+    fingerprint, key, model), every other attribute is the job's. A one-model job's shard (its
+    engine columns null) is the job itself: shard_job returns the job then."""
+
+    def __init__(self, job, shard):
+        self._job = job
+        self.engine_options = shard.engine_options
+        self.engine_fingerprint = shard.engine_fingerprint
+        self.engine_key = shard.engine_key
+        self.model = shard.engine_options.get("model", job.model)
+
+    def __getattr__(self, name):
+        return getattr(self._job, name)
+
+
+def shard_job(job, shard):
+    """The job with the shard's engine fields where it has them (workers.shard_runner, reuse keys)."""
+    return job if job is None or shard is None or shard.engine_options is None else ShardJob(job, shard)

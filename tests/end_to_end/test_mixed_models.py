@@ -1,0 +1,236 @@
+"""A job of several models (issue 53, item 4): `--model A --model B`, each line naming its model
+(body.model in OpenAI lines, `model` in ours). Through the real CLI: `pipeline submit --wait` with
+real Redis and a real worker serving both models, `pipeline run`, bad lines, the dry run, a one-model
+job's rows left as they were, and migration 0017, on SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import json
+import re
+
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import inspect
+
+from cli import main
+from cli_helpers import FAST
+from cluster import write_jsonl
+from jobs.ledger import get_job, get_shards, list_jobs, make_engine, session_factory, upgrade
+from jobs.paths import JobPaths
+from jobs.reuse.answer_key import engine_fingerprint
+from pipeline.engine_key import engine_key
+
+
+def _rows(a_dir, b_dir) -> list[dict]:
+    """Seven lines, the two models interleaved: A by its path, B by its directory's name, both formats."""
+    rows = []
+    for i in range(7):
+        model = str(a_dir) if i % 2 == 0 else b_dir.name
+        if i < 4:
+            rows.append({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": model, "messages": [{"role": "user", "content": f"Say {i}"}],
+                                  "max_tokens": 3, "temperature": 0}})
+        else:
+            rows.append({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": model, "messages": [{"role": "user", "content": f"Tell {i}"}],
+                                  "max_tokens": 2 + i % 2, "temperature": 0}})
+    return rows
+
+
+def _a_ids():
+    return {f"r{i}" for i in range(7) if i % 2 == 0}
+
+
+def _models(a_dir, b_dir):
+    return ["--model", str(a_dir), "--model", str(b_dir)]
+
+
+def _the_job_and_its_shards(db_url: str):
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            (job,) = list_jobs(s)
+            return job, get_shards(s, job.id)
+    finally:
+        engine.dispose()
+
+
+def _check_the_job(job, shards, root, a_dir, b_dir):
+    """Every id once, each row computed by its line's model, the ledger's rows and figures per model."""
+    keys = [engine_key({"model": str(d)}) for d in (a_dir, b_dir)]
+    fingerprints = [engine_fingerprint({"model": str(d), "kv_cache_gib": 0.05, "device": "cpu"}) for d in (a_dir, b_dir)]
+    assert job.status == "completed"
+    assert [m["model"] for m in job.models] == [str(a_dir), str(b_dir)]
+    assert [m["engine_key"] for m in job.models] == keys
+    assert [m["engine_fingerprint"] for m in job.models] == fingerprints
+    assert (job.model, job.engine_key, job.engine_fingerprint) == (str(a_dir), keys[0], fingerprints[0])
+    # each shard one model's lines (shard size 2: A's 4 lines in 2 shards, then B's 3 in 2)
+    assert [sh.engine_key for sh in shards] == [keys[0]] * 2 + [keys[1]] * 2
+    assert [sh.engine_fingerprint for sh in shards] == [fingerprints[0]] * 2 + [fingerprints[1]] * 2
+    assert [sh.engine_options["model"] for sh in shards] == [str(a_dir)] * 2 + [str(b_dir)] * 2
+    assert [sh.num_requests for sh in shards] == [2, 2, 2, 1]
+    rows = pq.read_table(JobPaths(root, job.id).results_dir).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"r{i}" for i in range(7)]   # every id exactly once
+    for r in rows:
+        assert r["finish_reason"] in ("stop", "length"), r
+        assert r["engine"] == fingerprints[0 if r["id"] in _a_ids() else 1], r
+    a_rows = [r for r in rows if r["id"] in _a_ids()]
+    b_rows = [r for r in rows if r["id"] not in _a_ids()]
+    for m, mine in zip(job.models, (a_rows, b_rows)):
+        assert (m["total_requests"], m["completed_requests"], m["failed_requests"]) == (len(mine), len(mine), 0)
+        assert m["prompt_tokens"] == sum(r["prompt_tokens"] for r in mine)
+        assert m["output_tokens"] == sum(r["output_tokens"] for r in mine)
+    assert job.completed_requests == 7 and job.output_tokens == sum(r["output_tokens"] for r in rows)
+
+
+def test_submit_wait_runs_each_models_lines_on_its_engine_of_a_worker_serving_both(
+        db_url, cluster_factory, tmp_path, tiny_model_dir, other_tiny_model_dir):
+    c = cluster_factory(db_url)
+    fast = ["--kv-cache-gib", "0.05", "--device", "cpu"]
+    worker = c.start_worker(args=[*_models(tiny_model_dir, other_tiny_model_dir), *fast], PIPELINE_WORKER_ENGINES="")
+    src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+    c.wait_for("the worker to start", lambda: "engine " in c.log(worker) and " loaded" in c.log(worker), timeout=120)
+    done = c.cli("submit", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *fast, "--shard-size", "2",
+                 "--wait")
+    assert done.returncode == 0, done.stderr
+    assert "no live worker" not in done.stderr
+    job_id = done.stdout.strip().splitlines()[0]
+    job, shards = c.job(job_id), c.shards(job_id)
+    _check_the_job(job, shards, c.root, tiny_model_dir, other_tiny_model_dir)
+    c.assert_exactly_once(job_id, [f"r{i}" for i in range(7)])
+    c.env["COLUMNS"] = "500"   # status lines unwrapped
+    status = c.cli("status", job_id)
+    assert status.returncode == 0, status.stderr
+    text = re.sub(r" +", " ", status.stdout)
+    for m in job.models:
+        assert (f"model {m['model']} │ {m['completed_requests']} completed, 0 failed, {m['total_requests']} total; "
+                f"{m['prompt_tokens']} prompt, {m['output_tokens']} output tokens") in text, text
+
+
+def test_submit_warns_per_model_when_no_worker_serves_it_naming_its_lines(
+        sqlite_url, cluster_factory, tmp_path, tiny_model_dir, other_tiny_model_dir):
+    c = cluster_factory(sqlite_url)
+    src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+    done = c.cli("submit", str(src), *_models(tiny_model_dir, other_tiny_model_dir), "--kv-cache-gib", "0.05",
+                 "--device", "cpu", "--shard-size", "2")
+    assert done.returncode == 0, done.stderr
+    assert f"no live worker serves model {tiny_model_dir} (engine " in done.stderr
+    assert "its lines 1, 3, 5, 7)" in done.stderr
+    assert f"no live worker serves model {other_tiny_model_dir} (engine " in done.stderr
+    assert "its lines 2, 4, 6)" in done.stderr
+
+
+def test_pipeline_run_runs_one_models_shards_then_the_others(runner, db_url, data_root, tmp_path, tiny_model_dir,
+                                                              other_tiny_model_dir):
+    src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+    result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  "--shard-size", "2", "--database-url", db_url])
+    assert result.exit_code == 0, result.output
+    job, shards = _the_job_and_its_shards(db_url)
+    _check_the_job(job, shards, data_root, tiny_model_dir, other_tiny_model_dir)
+
+
+def test_a_line_naming_no_model_or_another_is_refused_with_its_line_number(runner, db_url, data_root, tmp_path,
+                                                                          tiny_model_dir, other_tiny_model_dir):
+    rows = _rows(tiny_model_dir, other_tiny_model_dir)
+    rows[2]["body"]["model"] = "gpt-4o-mini"
+    del rows[5]["body"]["model"]
+    src = write_jsonl(tmp_path / "bad.jsonl", rows)
+    for command in ("submit", "run"):
+        result = runner.invoke(main, [command, str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                      "--database-url", db_url])
+        assert result.exit_code == 2, result.output
+        assert "line 3: the line names the model 'gpt-4o-mini', not one of the job's" in result.output
+        assert "line 6: the line names no model; a job of several models needs each line to name one of" in result.output
+        assert "line 1" not in result.output
+    pipeline_rows = [{"id": "p1", "prompt": "Hi", "model": tiny_model_dir.name},
+                     {"id": "p2", "prompt": "Hi"}]
+    src = write_jsonl(tmp_path / "bad-pipeline.jsonl", pipeline_rows)
+    result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  "--database-url", db_url])
+    assert result.exit_code == 2 and "line 2: the line names no model" in result.output, result.output
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            assert list_jobs(s) == []   # nothing was created
+    finally:
+        engine.dispose()
+    assert not (data_root / "jobs").exists()
+
+
+def test_our_format_names_the_model_in_its_model_field(runner, sqlite_url, data_root, tmp_path, tiny_model_dir,
+                                                       other_tiny_model_dir):
+    rows = [{"id": f"p{i}", "prompt": f"Count {i}", "max_tokens": 2, "temperature": 0,
+             "model": (tiny_model_dir if i % 2 else other_tiny_model_dir).name} for i in range(4)]
+    src = write_jsonl(tmp_path / "ours.jsonl", rows)
+    result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  "--database-url", sqlite_url])
+    assert result.exit_code == 0, result.output
+    job, shards = _the_job_and_its_shards(sqlite_url)
+    by_id = {r["id"]: r for r in pq.read_table(JobPaths(data_root, job.id).results_dir).to_pylist()}
+    assert by_id["p1"]["engine"] == job.models[0]["engine_fingerprint"]
+    assert by_id["p0"]["engine"] == job.models[1]["engine_fingerprint"]
+    assert by_id["p0"]["model"] == other_tiny_model_dir.name
+
+
+def test_the_dry_run_counts_per_model(runner, sqlite_url, data_root, tmp_path, tiny_model_dir, other_tiny_model_dir):
+    src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+    result = runner.invoke(main, ["submit", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  "--dry-run", "--json", "--database-url", sqlite_url])
+    assert result.exit_code == 0, result.output
+    models = json.loads(result.stdout)["models"]
+    assert [(m["model"], m["lines"]) for m in models] == [(str(tiny_model_dir), 4), (str(other_tiny_model_dir), 3)]
+    assert [m["engine_key"] for m in models] == [engine_key({"model": str(d), "kv_cache_gib": 0.05, "device": "cpu"})
+                                                  for d in (tiny_model_dir, other_tiny_model_dir)]
+    assert [m["output_token_ceiling"] for m in models] == [3 + 3 + 2 + 2, 3 + 3 + 3]
+    text = runner.invoke(main, ["submit", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                "--dry-run", "--database-url", sqlite_url])
+    assert text.exit_code == 0, text.output
+    assert f"model {tiny_model_dir}:\n  requests: 4 (4 result rows)" in text.stdout
+    assert f"model {other_tiny_model_dir}:\n  requests: 3 (3 result rows)" in text.stdout
+
+
+def test_served_names_or_one_model_twice_are_refused_with_several_models(runner, sqlite_url, tmp_path,
+                                                                         tiny_model_dir, other_tiny_model_dir):
+    src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+    served = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  "--served-model-name", "gpt-4o-mini", "--database-url", sqlite_url])
+    assert served.exit_code == 2 and "a job of several models takes none" in served.output, served.output
+    twice = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, tiny_model_dir), *FAST,
+                                 "--database-url", sqlite_url])
+    assert twice.exit_code == 2 and "--model names the same model twice" in twice.output, twice.output
+
+
+def test_a_one_model_jobs_rows_keep_their_nulls(runner, db_url, data_root, tmp_path, tiny_model_dir):
+    rows = [{"id": f"p{i}", "prompt": f"Count {i}", "max_tokens": 2, "temperature": 0} for i in range(3)]
+    src = write_jsonl(tmp_path / "one.jsonl", rows)
+    result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *FAST, "--shard-size", "2",
+                                  "--database-url", db_url])
+    assert result.exit_code == 0, result.output
+    job, shards = _the_job_and_its_shards(db_url)
+    assert job.status == "completed" and job.models is None
+    assert [(sh.engine_key, sh.engine_options, sh.engine_fingerprint) for sh in shards] == [(None, None, None)] * 2
+    status = runner.invoke(main, ["status", job.id, "--database-url", db_url])
+    assert status.exit_code == 0 and f"model {tiny_model_dir} │" not in status.output
+
+
+def test_migration_0017_goes_down_and_up_keeping_the_jobs(db_url, ledger):
+    from alembic import command
+
+    from ledger_helpers import make_job
+    from migrations import alembic_config
+
+    _, Session = ledger
+    job_id = make_job(Session)
+    command.downgrade(alembic_config(db_url), "0016")
+    engine = make_engine(db_url)
+    try:
+        assert "models" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+        assert not ({"engine_key", "engine_options", "engine_fingerprint"}
+                    & {c["name"] for c in inspect(engine).get_columns("shards")})
+    finally:
+        engine.dispose()
+    upgrade(db_url)
+    with Session() as s:
+        assert get_job(s, job_id).models is None
+        assert all((sh.engine_key, sh.engine_options, sh.engine_fingerprint) == (None, None, None)
+                   for sh in get_shards(s, job_id))
