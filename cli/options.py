@@ -216,7 +216,7 @@ def job_engine_options(f):
         models = kwargs.pop("model")
         shared = {name: value for name in names if (value := kwargs.pop(name)) is not None}
         each = [_checked({**shared, "model": model}) for model in models] or [_checked(shared)]
-        if len({options["model"] for options in each}) < len(each):
+        if len({options.get("model") for options in each}) < len(each):
             raise click.UsageError("--model names the same model twice")
         return f(*args, engine_options=each[0], several_models=each if len(each) > 1 else None, **kwargs)
 
