@@ -68,9 +68,14 @@ class SeveralEngines:
                 "engine_fingerprint": self.fingerprints[model]}
 
     def ledger_models(self) -> list[dict]:
-        """jobs.models: each model as given, with its engine key and fingerprint."""
-        return [{"model": name, "engine_key": key, "engine_fingerprint": fingerprint}
-                for name, key, fingerprint in zip(self.models, self.keys, self.fingerprints)]
+        """jobs.models: each model as given, with its engine options, key and fingerprint."""
+        return [{"model": name, "engine_options": options, "engine_key": key, "engine_fingerprint": fingerprint}
+                for name, options, key, fingerprint in zip(self.models, self.options, self.keys, self.fingerprints)]
+
+    @classmethod
+    def of_job(cls, job) -> "SeveralEngines | None":
+        """The models of an existing job (a retry's), fingerprinted afresh; None for a one-model job."""
+        return None if job.models is None else cls([(m["model"], m["engine_options"]) for m in job.models])
 
 
 class ShardJob:

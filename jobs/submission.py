@@ -208,7 +208,8 @@ def create_retry_job(
     The new job has the same ids, the same normalised lines (so the same parameters)
     read from the input shards, the same model and engine options, and metadata
     {"retry_of": job_id}, and the old job's priority, request timeout, keep and completion window
-    (a new window from now) unless priority or completion_window are given; queue: the
+    (a new window from now) unless priority or completion_window are given (a job of several
+    models: the same models, each line on its own again); queue: the
     PIPELINE_QUEUE prefix the new job is sent on (None: run in-process). Returns (new job id, requests per shard). Raises ValueError if
     job_id is malformed, unknown or not ended yet, NothingToRetry if no request is left
     to retry. All or nothing, like create_job_from_file.
@@ -254,6 +255,9 @@ def create_retry_job(
         sizes = write_retry_shards(old_paths, old.num_shards, wanted, new_paths.input_dir, shard_size)
         if not sizes:
             raise NothingToRetry(_nothing_to_retry(job_id, only_failed, num_taken, earlier))
+        several, shard_engines = SeveralEngines.of_job(old), None
+        if several is not None:   # each model's lines in its own shards again, on its own engine
+            sizes, shard_engines = several.group(new_paths.input_dir, len(sizes), shard_size)
         with Session() as s:
             ledger.create_job(
                 s, job_id=new_id, model=old.model, engine_options=old.engine_options, engine_key=old.engine_key,
@@ -262,8 +266,10 @@ def create_retry_job(
                 completion_window=completion_window or old.completion_window, api_key_id=old.api_key_id,
                 priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
                 # fingerprinted afresh: the retry runs on the model files as they are now
-                reuse=old.reuse, engine_fingerprint=engine_fingerprint(old.engine_options),
-                answer_scope=old.answer_scope, keep_seconds=old.keep_seconds,
+                reuse=old.reuse, engine_fingerprint=(engine_fingerprint(old.engine_options) if several is None
+                                                     else several.fingerprints[0]),
+                answer_scope=old.answer_scope, keep_seconds=old.keep_seconds, shard_engines=shard_engines,
+                models=None if several is None else several.ledger_models(),
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})
     except BaseException:
         _remove_unmade(new_paths)

@@ -234,3 +234,86 @@ def test_migration_0017_goes_down_and_up_keeping_the_jobs(db_url, ledger):
         assert get_job(s, job_id).models is None
         assert all((sh.engine_key, sh.engine_options, sh.engine_fingerprint) == (None, None, None)
                    for sh in get_shards(s, job_id))
+
+
+def test_recovery_sends_each_shard_back_to_its_own_models_queue(db_url, data_root, tmp_path, tiny_model_dir,
+                                                                  other_tiny_model_dir):
+    """The reconciler re-sends a lost shard on its model's queue (only where that queue is empty),
+    the reaper a dead worker's shard on its model's queue: never the job's first model's for all."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from jobs.ledger import Job, Shard, claim_shard, utcnow
+    from jobs.submission import create_job_from_file
+    from workers.recovery import recover
+
+    a_key, b_key = (engine_key({"model": str(d)}) for d in (tiny_model_dir, other_tiny_model_dir))
+    engine = make_engine(db_url)
+    Session = session_factory(engine)
+    sent: list[tuple[str, tuple[str, int]]] = []
+    busy = {b_key}   # B's queue has messages waiting: its shards are not lost
+    pass_ = dict(max_attempts=3, queued_grace_s=5,
+                 enqueue=lambda route, shards: sent.extend((route.engine_key, shard) for shard in shards),
+                 backlog=lambda route: int(route.engine_key in busy))
+    try:
+        src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+        models = [(str(d), {"model": str(d)}) for d in (tiny_model_dir, other_tiny_model_dir)]
+        job_id = create_job_from_file(Session, data_root, src, model=str(tiny_model_dir), engine_options={},
+                                      shard_size=2, models=models, queue="pipeline")[0]
+        past = utcnow() - timedelta(seconds=60)
+        with Session() as s:
+            assert [sh.engine_key for sh in get_shards(s, job_id)] == [a_key, a_key, b_key, b_key]
+            s.execute(update(Job).where(Job.id == job_id).values(created_at=past))
+            s.commit()
+        report = recover(Session, data_root, **pass_)
+        assert sorted(report["reenqueued"]) == [(job_id, 0), (job_id, 1)]
+        assert sorted(sent) == [(a_key, (job_id, 0)), (a_key, (job_id, 1))]
+        sent.clear()
+        with Session() as s:   # B's worker took shard 3 and died
+            assert claim_shard(s, job_id, 3, "dead-worker:1", 60, 3) == 1
+            s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == 3).values(lease_expires_at=past))
+            s.commit()
+        report = recover(Session, data_root, **pass_)
+        assert report["requeued"] == [(job_id, 3)] and sent == [(b_key, (job_id, 3))]
+    finally:
+        engine.dispose()
+
+
+def test_a_retry_of_a_several_model_job_runs_each_line_on_its_model_again(runner, sqlite_url, data_root, tmp_path,
+                                                                         tiny_model_dir, other_tiny_model_dir):
+    from cluster import TOO_LONG_FOR_TINY
+
+    rows = _rows(tiny_model_dir, other_tiny_model_dir)
+    rows.append({"custom_id": "long", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": other_tiny_model_dir.name, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": TOO_LONG_FOR_TINY}]}})
+    src = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  "--database-url", sqlite_url])
+    assert result.exit_code == 0, result.output   # completed, the long line an error row
+    (old,) = [job for job in _jobs(sqlite_url)]
+    assert old.models[1]["failed_requests"] == 1 and old.models[0]["failed_requests"] == 0
+    retry = runner.invoke(main, ["retry", old.id, "--local", "--database-url", sqlite_url])
+    new_id = retry.stdout.strip().splitlines()[0]
+    new = next(job for job in _jobs(sqlite_url) if job.id == new_id)
+    assert [m["engine_key"] for m in new.models] == [m["engine_key"] for m in old.models]
+    engine = make_engine(sqlite_url)
+    try:
+        with session_factory(engine)() as s:
+            shards = get_shards(s, new_id)
+    finally:
+        engine.dispose()
+    assert [(sh.engine_key, sh.engine_fingerprint) for sh in shards] == [
+        (old.models[1]["engine_key"], old.models[1]["engine_fingerprint"])]
+    (row,) = pq.read_table(JobPaths(data_root, new_id).results_dir).to_pylist()
+    assert row["id"] == "long" and row["engine"] == old.models[1]["engine_fingerprint"]
+
+
+def _jobs(db_url):
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            return list_jobs(s)
+    finally:
+        engine.dispose()
