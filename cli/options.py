@@ -209,13 +209,18 @@ def job_engine_options(f):
     times, a job of several models (each line names its own: docs/input-format.md), the other options
     applying to each. Passes `engine_options` (the first model's, or none given: as engine_options)
     and `several_models`: the option dicts of each model when there are several, else None."""
-    names = [field.name for field in fields(EngineConfig) if field.name != "model"]
+    names = [field.name for field in fields(EngineConfig)]
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         models = kwargs.pop("model")
-        shared = {name: value for name in names if (value := kwargs.pop(name)) is not None}
-        each = [_checked({**shared, "model": model}) for model in models] or [_checked(shared)]
+        shared = {name: kwargs.pop(name) for name in names if name != "model"}
+
+        def options(model) -> dict:   # in the fields' order, as one --model's always were
+            return _checked({name: value for name in names
+                             if (value := model if name == "model" else shared[name]) is not None})
+
+        each = [options(model) for model in models] or [options(None)]
         if len({options.get("model") for options in each}) < len(each):
             raise click.UsageError("--model names the same model twice")
         return f(*args, engine_options=each[0], several_models=each if len(each) > 1 else None, **kwargs)

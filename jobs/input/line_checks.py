@@ -46,7 +46,8 @@ __all__ = ["InvalidInput", "LineError", "Limits", "RequestSpec", "Scan", "Valida
 _PIPELINE_KEYS = {"id", "model", "prompt", "messages", "timeout_s", "logprobs", *SAMPLING_DEFAULTS, *STRUCTURED_KEYS,
                   *TOOL_KEYS, *TEMPLATE_KEYS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
-_TABLE_FIELDS = _PIPELINE_KEYS | PIPELINE_EMBEDDING_KEYS   # a table's columns that are our format's fields
+# a table's columns that are our format's fields (not `model`: a table's model column stays what it was, data)
+_TABLE_FIELDS = (_PIPELINE_KEYS - {"model"}) | PIPELINE_EMBEDDING_KEYS
 _PLAIN_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 _FIELDS_OF = {RESPONSES_ENDPOINT: CHAT_ENDPOINT}   # a responses body is checked as the chat body it amounts to
 _FORCED_CALL = {RESPONSES_ENDPOINT: RESPONSES_FORCED_CALL}   # how a line's API writes a forced tool_choice
