@@ -317,3 +317,48 @@ def _jobs(db_url):
             return list_jobs(s)
     finally:
         engine.dispose()
+
+
+def test_a_stopping_worker_hands_a_shard_back_to_its_own_models_queue(sqlite_url, cluster_factory, tmp_path,
+                                                                      tiny_model_dir, other_tiny_model_dir):
+    """SIGTERM while a worker serving both models holds a shard of the second (tests/hold.py): the
+    shard is released and handed back to the second model's queue, not the job's first model's; a
+    worker of that model alone then finishes the job."""
+    import signal
+
+    import redis
+
+    from workers.broker import priority_lists
+
+    c = cluster_factory(sqlite_url)
+    fast = ["--kv-cache-gib", "0.05", "--device", "cpu"]
+    a_key, b_key = (engine_key({"model": str(d), "kv_cache_gib": 0.05, "device": "cpu"})
+                    for d in (tiny_model_dir, other_tiny_model_dir))
+    victim = c.start_worker(args=[*_models(tiny_model_dir, other_tiny_model_dir), *fast], held=True,
+                            PIPELINE_WORKER_ENGINES="", PIPELINE_SHARDS_IN_FLIGHT=1)
+    rows = ([{"id": f"quick-{i}", "prompt": f"Count {i}", "max_tokens": 2, "model": tiny_model_dir.name}
+             for i in range(2)]
+            + [{"id": f"held-{i:03d}", "prompt": f"Count {i}", "max_tokens": 64, "ignore_eos": True,
+                "model": other_tiny_model_dir.name} for i in range(2)])
+    src = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    done = c.cli("submit", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *fast, "--shard-size", "2")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    c.wait_held(victim)
+    assert [sh.status for sh in c.shards(job_id)] == ["completed", "running"]
+    victim.send_signal(signal.SIGTERM)
+    victim.wait(60)
+    client = redis.Redis.from_url(c.broker_url)
+
+    def messages(key):
+        return [m for name in priority_lists(f"{c.queue}.{key}") for m in client.lrange(name, 0, -1)]
+
+    handed = c.wait_for("the shard handed back to its model's queue", lambda: messages(b_key))
+    assert json.loads(handed[0])["headers"]["argsrepr"] == f"(job_id={job_id!r}, shard=1)"
+    assert messages(a_key) == []
+    assert c.shards(job_id)[1].releases == 1
+    c.release()
+    successor = c.start_worker(args=["--model", str(other_tiny_model_dir), *fast], PIPELINE_WORKER_ENGINES="")
+    assert c.wait_until_ended(job_id).status == "completed"
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    assert c.shards(job_id)[1].worker.rsplit(":", 1)[1] == str(successor.pid)
