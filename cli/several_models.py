@@ -58,8 +58,10 @@ def warn_unserved(settings: Settings, Session, job) -> None:
         except Exception:   # the broker cannot tell: say nothing, as for one model
             continue
         mine = [shard for shard in shards if shard.engine_key == key]
+        if not mine:   # no line names it: nothing waits for it
+            continue
         lines = _first_lines(JobPaths(settings.data_dir, job.id), [shard.index for shard in mine])
-        options = next(shard.engine_options for shard in mine) if mine else {"model": model["model"]}
+        options = mine[0].engine_options
         click.echo(f"warning: no live worker serves model {model['model']} (engine {key}; its lines "
                    f"{', '.join(map(str, lines))}{', ...' if len(lines) == _LINES_SHOWN else ''}): they wait in "
                    f"queue {settings.queue_for(key, job.queue)} until one starts, e.g.\n"
