@@ -362,3 +362,20 @@ def test_a_stopping_worker_hands_a_shard_back_to_its_own_models_queue(sqlite_url
     assert c.wait_until_ended(job_id).status == "completed"
     c.assert_exactly_once(job_id, [r["id"] for r in rows])
     assert c.shards(job_id)[1].worker.rsplit(":", 1)[1] == str(successor.pid)
+
+
+def test_a_rerun_reuses_each_models_own_answers(runner, sqlite_url, data_root, tmp_path, tiny_model_dir,
+                                                 other_tiny_model_dir):
+    """The answers' keys are each shard's model's: a rerun of the file reuses every answer, each from
+    its own model's row (greedy lines on a batch-invariant CPU engine are deterministic)."""
+    src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
+    args = ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST, "--shard-size", "2",
+            "--database-url", sqlite_url]
+    assert runner.invoke(main, args).exit_code == 0
+    assert runner.invoke(main, args).exit_code == 0
+    first, second = sorted(_jobs(sqlite_url), key=lambda job: job.created_at)
+    assert second.reused_requests == 7
+    before = {r["id"]: r for r in pq.read_table(JobPaths(data_root, first.id).results_dir).to_pylist()}
+    for r in pq.read_table(JobPaths(data_root, second.id).results_dir).to_pylist():
+        assert r["reused_from"] == first.id and r["engine"] == before[r["id"]]["engine"]
+        assert r["output"] == before[r["id"]]["output"]
