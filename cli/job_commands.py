@@ -378,10 +378,10 @@ def _submit(Session, settings: Settings, create):
 
 def waiting_for_worker(settings: Settings, job) -> bool | None:
     """Whether a job that has not ended waits for a worker of its engine: no live worker
-    serves its key (None: the broker cannot tell, or the job ended)."""
+    serves its key (None: the broker cannot tell, the job ended, or it has several models)."""
     from workers.broker import live_workers
 
-    if job.status in JobStatus.terminal() or not job.engine_key:
+    if job.status in JobStatus.terminal() or not job.engine_key or job.models:
         return None
     try:
         return not live_workers(settings, job.engine_key)

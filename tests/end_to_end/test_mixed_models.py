@@ -117,6 +117,8 @@ def test_submit_warns_per_model_when_no_worker_serves_it_naming_its_lines(
     assert "its lines 1, 3, 5, 7)" in done.stderr
     assert f"no live worker serves model {other_tiny_model_dir} (engine " in done.stderr
     assert "its lines 2, 4, 6)" in done.stderr
+    status = c.cli("status", done.stdout.strip())   # the per-model warning is the word: no job-wide guess
+    assert status.returncode == 0 and "waiting for a worker" not in status.stdout, status.stdout
 
 
 def test_pipeline_run_runs_one_models_shards_then_the_others(runner, db_url, data_root, tmp_path, tiny_model_dir,
