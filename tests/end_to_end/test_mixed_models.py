@@ -381,3 +381,20 @@ def test_a_rerun_reuses_each_models_own_answers(runner, sqlite_url, data_root, t
     for r in pq.read_table(JobPaths(data_root, second.id).results_dir).to_pylist():
         assert r["reused_from"] == first.id and r["engine"] == before[r["id"]]["engine"]
         assert r["output"] == before[r["id"]]["output"]
+
+
+def test_a_large_files_ranges_each_check_that_lines_name_their_model(tmp_path):
+    """A large file is scanned in ranges by child processes (jobs.input.file_scan): the later range
+    knows it is a job of several models too."""
+    from jobs.input.file_scan import validate
+    from jobs.input.line_checks import model_names
+
+    rows = []
+    for i in range(4000):
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        if i != 3500:
+            body["model"] = "a" if i % 2 else "b"
+        rows.append({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    validation = validate(write_jsonl(tmp_path / "large.jsonl", rows), model=model_names(["/x/a", "/y/b"]), ranges=2)
+    assert [e.line for e in validation.errors] == [3501]
+    assert validation.errors[0].message.startswith("the line names no model")
