@@ -106,7 +106,9 @@ def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: d
             now = ledger.utcnow()
             free = [sh.index for sh in shards if _nobody_holds(sh, now)]
             if free and job.status in JobStatus.live():
-                engines = engines or start_engine(Session, root, job_id, engine_options, tokenizer_processes)
+                # a several-model job: the engine its first free shard needs (not a model it may not use)
+                first = next(sh for sh in shards if sh.index == free[0]).engine_options
+                engines = engines or start_engine(Session, root, job_id, first or engine_options, tokenizer_processes)
                 outcomes = []
                 for indexes in _by_engine(job, shards, free):   # a several-model job: one model, then the next
                     outcomes += run_shards(Session, root, job_id, indexes, engines, shards_in_flight=shards_in_flight,
