@@ -10,9 +10,7 @@ from jobs.scheduling import PRIORITIES
 from jobs.settings import Settings
 from jobs.ledger.statuses import SUBMITTER, JobStatus, ShardStatus
 from cli import render
-from cli.errors import (
-    EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail,
-)
+from cli.errors import EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail
 from cli.dry_run import check_model, report_dry_run
 from cli.gpus import GPUS, gpus_for_run
 from cli.options import FiniteFloat, job_engine_options, settings_options, table_columns
@@ -98,8 +96,9 @@ JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-r
 @DRY_RUN
 @JSON_OUTPUT
 @settings_options("broker_url", "max_queued_requests")
-def submit_command(file, engine_options, several_models, columns, shard_size, priority, completion_window, request_timeout, keep,
-                   wait_for_capacity, wait, served_model_names, no_reuse, notify, dry_run, as_json, settings):
+def submit_command(file, engine_options, several_models, columns, shard_size, priority, completion_window,
+                   request_timeout, keep, wait_for_capacity, wait, served_model_names, no_reuse, notify, dry_run,
+                   as_json, settings):
     """Queue FILE as a job for the workers; prints only the job id on stdout.
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).
@@ -135,8 +134,8 @@ def submit_command(file, engine_options, several_models, columns, shard_size, pr
 @JSON_OUTPUT
 @GPUS
 @settings_options("shards_in_flight", "tokenizer_processes", "metrics_port", "cost_per_hour")
-def run_command(file, engine_options, several_models, columns, shard_size, request_timeout, keep, served_model_names, no_reuse, dry_run,
-                as_json, gpus, settings):
+def run_command(file, engine_options, several_models, columns, shard_size, request_timeout, keep, served_model_names,
+                no_reuse, dry_run, as_json, gpus, settings):
     """Run FILE here, without Redis or workers (SQLite ledger in the data dir by default).
 
     FILE is a regular file, or - to read standard input (once, into the job's own copy).

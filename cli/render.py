@@ -78,8 +78,9 @@ def print_summary(job) -> None:
         click.echo(f"  throughput: {job.output_tok_s:.1f} output tok/s, {job.total_tok_s:.1f} total tok/s "
                    f"over {job.wall_seconds:.1f} s")
     if job.joules is not None:   # measured (workers.energy); `pipeline status` says why not
-        click.echo(f"  energy: {job.joules:.1f} J" + (f", {job.tokens_per_joule:.2f} tokens/J" if job.tokens_per_joule
-                                                      else "") + (f"; cost {job.cost:.6g}" if job.cost is not None else ""))
+        per_joule = f", {job.tokens_per_joule:.2f} tokens/J" if job.tokens_per_joule else ""
+        cost = f"; cost {job.cost:.6g}" if job.cost is not None else ""
+        click.echo(f"  energy: {job.joules:.1f} J{per_joule}{cost}")
     click.echo(f"  results: {job.results_path}  (see: pipeline results {job.id})")
     if job.failed_requests:
         click.echo(f"  see the errors: pipeline results {job.id} --export errors.jsonl")
