@@ -1,5 +1,6 @@
 """Helpers of the ledger tests (tests/jobs/test_ledger*.py): a job of a few shards, straight
-into the ledger; a job whose one worker died holding its shard."""
+into the ledger; a job whose one worker died holding its shard; a ledger's one job and its shards; the
+schema a migration's downgrade leaves."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -32,3 +33,33 @@ def job_of_a_dead_worker(Session, data_root, tmp_path) -> str:
         s.execute(update(Shard).values(lease_expires_at=utcnow() - timedelta(seconds=5)))
         s.commit()
     return job_id
+
+
+def downgraded_schema(db_url: str, revision: str) -> dict[str, set[str]]:
+    """Downgrade the ledger at db_url to `revision`: its tables there, each with its column names."""
+    from alembic import command
+    from sqlalchemy import inspect
+
+    from jobs.ledger import make_engine
+    from migrations import alembic_config
+
+    command.downgrade(alembic_config(db_url), revision)
+    engine = make_engine(db_url)
+    try:
+        inspector = inspect(engine)
+        return {table: {c["name"] for c in inspector.get_columns(table)} for table in inspector.get_table_names()}
+    finally:
+        engine.dispose()
+
+
+def the_job_and_its_shards(db_url: str):
+    """The ledger at db_url's one job, and its shards."""
+    from jobs.ledger import get_shards, list_jobs, make_engine, session_factory
+
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as s:
+            (job,) = list_jobs(s)
+            return job, get_shards(s, job.id)
+    finally:
+        engine.dispose()

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import inspect
 
 from cli import main
 from cli_helpers import FAST
 from cluster import write_jsonl
 from energy_helpers import Powercap
-from jobs.ledger import get_job, get_shards, list_jobs, make_engine, session_factory, upgrade
+from jobs.ledger import get_job, get_shards, upgrade
 from jobs.paths import JobPaths
+from ledger_helpers import the_job_and_its_shards
 from metrics_helpers import HOST, in_process
 from workers.metrics import model_label
 
@@ -59,16 +59,6 @@ def _check_measured(job, shards, watts: float, data_root) -> None:
 
 
 
-def _the_job_and_its_shards(db_url: str):
-    """The ledger's one job and its shards."""
-    engine = make_engine(db_url)
-    try:
-        with session_factory(engine)() as s:
-            (job,) = list_jobs(s)
-            return job, get_shards(s, job.id)
-    finally:
-        engine.dispose()
-
 def test_pipeline_run_measures_each_shard_from_the_rapl_counters(runner, db_url, data_root, tiny_model_dir, tmp_path,
                                                                  monkeypatch):
     monkeypatch.setenv("COLUMNS", "500")   # status lines unwrapped
@@ -81,7 +71,7 @@ def test_pipeline_run_measures_each_shard_from_the_rapl_counters(runner, db_url,
         result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "4", *FAST,
                                       "--database-url", db_url, "--cost-per-hour", str(RATE)])
     assert result.exit_code == 0, result.output
-    job, shards = _the_job_and_its_shards(db_url)
+    job, shards = the_job_and_its_shards(db_url)
     assert job.num_shards == 3
     _check_measured(job, shards, cap.watts, data_root)
     assert f"energy: {job.joules:.1f} J, {job.tokens_per_joule:.2f} tokens/J; cost {job.cost:.6g}" in result.stdout
@@ -115,7 +105,7 @@ def test_without_a_readable_counter_the_joules_are_null_and_status_says_why(runn
     result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), "--shard-size", "2", *FAST,
                                   "--database-url", db_url])   # and no rate
     assert result.exit_code == 0, result.output
-    job, shards = _the_job_and_its_shards(db_url)
+    job, shards = the_job_and_its_shards(db_url)
     assert [(sh.joules, sh.cost, sh.energy_meter, sh.energy_unmeasured) for sh in shards] == [(None, None, None, why)] * 2
     assert all(sh.device_seconds > 0 for sh in shards)
     assert (job.joules, job.tokens_per_joule, job.cost, job.energy_unmeasured) == (None, None, None, why)
@@ -144,20 +134,13 @@ def test_a_worker_charges_its_overlapping_shards_without_counting_twice(cluster_
 
 
 def test_migration_0016_goes_down_and_up_keeping_the_jobs(db_url, ledger):
-    from alembic import command
-
-    from ledger_helpers import make_job
-    from migrations import alembic_config
+    from ledger_helpers import downgraded_schema, make_job
 
     _, Session = ledger
     job_id = make_job(Session)
-    command.downgrade(alembic_config(db_url), "0015")
-    engine = make_engine(db_url)
-    try:
-        assert not {"joules", "tokens_per_joule", "cost"} & {c["name"] for c in inspect(engine).get_columns("jobs")}
-        assert not {"joules", "device_seconds", "energy_meter"} & {c["name"] for c in inspect(engine).get_columns("shards")}
-    finally:
-        engine.dispose()
+    schema = downgraded_schema(db_url, "0015")
+    assert not {"joules", "tokens_per_joule", "cost"} & schema["jobs"]
+    assert not {"joules", "device_seconds", "energy_meter"} & schema["shards"]
     upgrade(db_url)
     with Session() as s:
         job = get_job(s, job_id)

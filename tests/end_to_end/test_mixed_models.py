@@ -9,13 +9,13 @@ import re
 
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import inspect
 
 from cli import main
 from cli_helpers import FAST
 from cluster import write_jsonl
 from jobs.ledger import get_job, get_shards, list_jobs, make_engine, session_factory, upgrade
 from jobs.paths import JobPaths
+from ledger_helpers import the_job_and_its_shards
 from jobs.reuse.answer_key import engine_fingerprint
 from pipeline.engine_key import engine_key
 
@@ -43,15 +43,6 @@ def _a_ids():
 def _models(a_dir, b_dir):
     return ["--model", str(a_dir), "--model", str(b_dir)]
 
-
-def _the_job_and_its_shards(db_url: str):
-    engine = make_engine(db_url)
-    try:
-        with session_factory(engine)() as s:
-            (job,) = list_jobs(s)
-            return job, get_shards(s, job.id)
-    finally:
-        engine.dispose()
 
 
 def _check_the_job(job, shards, root, a_dir, b_dir):
@@ -127,7 +118,7 @@ def test_pipeline_run_runs_one_models_shards_then_the_others(runner, db_url, dat
     result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
                                   "--shard-size", "2", "--database-url", db_url])
     assert result.exit_code == 0, result.output
-    job, shards = _the_job_and_its_shards(db_url)
+    job, shards = the_job_and_its_shards(db_url)
     _check_the_job(job, shards, data_root, tiny_model_dir, other_tiny_model_dir)
 
 
@@ -167,7 +158,7 @@ def test_our_format_names_the_model_in_its_model_field(runner, sqlite_url, data_
     result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
                                   "--database-url", sqlite_url])
     assert result.exit_code == 0, result.output
-    job, shards = _the_job_and_its_shards(sqlite_url)
+    job, shards = the_job_and_its_shards(sqlite_url)
     by_id = {r["id"]: r for r in pq.read_table(JobPaths(data_root, job.id).results_dir).to_pylist()}
     assert by_id["p1"]["engine"] == job.models[0]["engine_fingerprint"]
     assert by_id["p0"]["engine"] == job.models[1]["engine_fingerprint"]
@@ -208,7 +199,7 @@ def test_a_one_model_jobs_rows_keep_their_nulls(runner, db_url, data_root, tmp_p
     result = runner.invoke(main, ["run", str(src), "--model", str(tiny_model_dir), *FAST, "--shard-size", "2",
                                   "--database-url", db_url])
     assert result.exit_code == 0, result.output
-    job, shards = _the_job_and_its_shards(db_url)
+    job, shards = the_job_and_its_shards(db_url)
     assert job.status == "completed" and job.models is None
     assert [(sh.engine_key, sh.engine_options, sh.engine_fingerprint) for sh in shards] == [(None, None, None)] * 2
     status = runner.invoke(main, ["status", job.id, "--database-url", db_url])
@@ -216,21 +207,13 @@ def test_a_one_model_jobs_rows_keep_their_nulls(runner, db_url, data_root, tmp_p
 
 
 def test_migration_0017_goes_down_and_up_keeping_the_jobs(db_url, ledger):
-    from alembic import command
-
-    from ledger_helpers import make_job
-    from migrations import alembic_config
+    from ledger_helpers import downgraded_schema, make_job
 
     _, Session = ledger
     job_id = make_job(Session)
-    command.downgrade(alembic_config(db_url), "0016")
-    engine = make_engine(db_url)
-    try:
-        assert "models" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
-        assert not ({"engine_key", "engine_options", "engine_fingerprint"}
-                    & {c["name"] for c in inspect(engine).get_columns("shards")})
-    finally:
-        engine.dispose()
+    schema = downgraded_schema(db_url, "0016")
+    assert "models" not in schema["jobs"]
+    assert not {"engine_key", "engine_options", "engine_fingerprint"} & schema["shards"]
     upgrade(db_url)
     with Session() as s:
         assert get_job(s, job_id).models is None
