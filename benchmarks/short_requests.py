@@ -27,12 +27,13 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shard_feed import job_row  # noqa: E402  (benchmarks/ is this script's folder)
 
 WORDS = ("the service was quick and the food arrived warm but the bill was wrong twice and "
          "nobody answered the phone after six so we left a note for the manager").split()
@@ -90,12 +91,6 @@ def write_lines(kind: str, n: int, out: Path) -> Path:
 def cli(*args, env) -> str:
     return subprocess.run([sys.executable, "-m", "cli", *args], env=env, text=True, capture_output=True,
                           check=True).stdout
-
-
-def job_row(db: Path, job_id: str) -> dict:
-    with sqlite3.connect(db) as conn:
-        conn.row_factory = sqlite3.Row
-        return dict(conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
 
 
 def wall_s(row: dict) -> float:
@@ -180,8 +175,7 @@ def main() -> None:
                 job_id = cli("submit", str(requests), "--wait", "--no-reuse", "--shard-size", str(args.shard_size),
                              *engine_args, env=env).strip().splitlines()[0]
             else:
-                started = time.perf_counter()
-                out = cli("run", str(requests), "--no-reuse", "--shard-size", str(args.shard_size),
+                cli("run", str(requests), "--no-reuse", "--shard-size", str(args.shard_size),
                           *engine_args, env=env)
                 job_id = None
             if spy is not None:
