@@ -97,3 +97,13 @@ class ShardJob:
 def shard_job(job, shard):
     """The job with the shard's engine fields where it has them (workers.shard_runner, reuse keys)."""
     return job if job is None or shard is None or shard.engine_options is None else ShardJob(job, shard)
+
+
+def by_engine_key(job, shards, indexes: list[int]) -> dict[str, list[int]]:
+    """indexes (of shards, the job's ledger rows) by the engine key each runs on, in order: its
+    own (a several-model job's shard), else the job's."""
+    key_of = {shard.index: shard.engine_key or job.engine_key for shard in shards}
+    groups: dict[str, list[int]] = {}
+    for index in indexes:
+        groups.setdefault(key_of[index], []).append(index)
+    return groups

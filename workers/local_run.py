@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import ledger
 from jobs.results.finalize import abandon_job, finalize_job, refinalize_job
 from jobs.ledger import JobStatus, ShardStatus
+from jobs.several_models import by_engine_key
 from workers.admission import AdmissionGate
 from workers.engine_cache import EngineCache
 from workers.recovery import DEFAULT_FINALIZE_GRACE_S, sweep_tmp
@@ -110,7 +111,7 @@ def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: d
                 first = next(sh for sh in shards if sh.index == free[0]).engine_options
                 engines = engines or start_engine(Session, root, job_id, first or engine_options, tokenizer_processes)
                 outcomes = []
-                for indexes in _by_engine(job, shards, free):   # a several-model job: one model, then the next
+                for indexes in by_engine_key(job, shards, free).values():   # several models: one, then the next
                     outcomes += run_shards(Session, root, job_id, indexes, engines, shards_in_flight=shards_in_flight,
                                            lease_s=lease_s, on_result=on_result)
                 if any(o not in (ShardOutcome.BUSY, ShardOutcome.SKIPPED) for o in outcomes):
@@ -162,15 +163,6 @@ def run_shards(Session: sessionmaker[Session], root, job_id: str, indexes: list[
         raise
     pool.shutdown()
     return outcomes
-
-
-def _by_engine(job: ledger.Job, shards: list[ledger.Shard], free: list[int]) -> list[list[int]]:
-    """The free shards by the engine each runs on (its own, else the job's), in shard order."""
-    key_of = {sh.index: sh.engine_key or job.engine_key for sh in shards}
-    groups: dict[str, list[int]] = {}
-    for index in free:
-        groups.setdefault(key_of[index], []).append(index)
-    return list(groups.values())
 
 
 def _nobody_holds(shard: ledger.Shard, now) -> bool:

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import ledger
 from jobs.ledger import JobStatus
 from jobs.settings import Settings
+from jobs.several_models import by_engine_key
 from workers import broker
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,7 @@ def _by_engine(Session, job: ledger.Job, indexes: list[int]) -> dict[str, list[i
     if job.models is None:
         return {job.engine_key: indexes}
     with Session() as s:
-        key_of = {shard.index: shard.engine_key or job.engine_key for shard in ledger.get_shards(s, job.id)}
-    by_key: dict[str, list[int]] = {}
-    for index in indexes:
-        by_key.setdefault(key_of[index], []).append(index)
-    return by_key
+        return by_engine_key(job, ledger.get_shards(s, job.id), indexes)
 
 
 def _answer_from_earlier_jobs(Session, settings: Settings, job: ledger.Job, num_shards: int) -> list[int]:
