@@ -5,7 +5,8 @@ import click
 
 from cli.errors import EXIT_USAGE, Fail
 from cli.dry_run import check_model
-from cli.job_commands import SERVED_MODEL_NAME, check_broker, sessions
+from cli.job_commands import check_broker, sessions
+from cli.job_options import SERVED_MODEL_NAME
 from cli.options import engine_options, settings_options
 from cli.webhooks import check_url_param
 

@@ -6,75 +6,22 @@ import time
 
 import click
 
-from jobs.scheduling import PRIORITIES
 from jobs.settings import Settings
 from jobs.ledger.statuses import SUBMITTER, JobStatus, ShardStatus
 from cli import render
 from cli.errors import EXIT_BROKER, EXIT_JOB_NOT_COMPLETED, EXIT_OVER_CAPACITY, EXIT_USAGE, Fail
 from cli.dry_run import check_model, report_dry_run
 from cli.gpus import GPUS, gpus_for_run
-from cli.options import FiniteFloat, job_engine_options, settings_options, table_columns
+from cli.job_options import (
+    COMPLETION_WINDOW, DRY_RUN, INPUT_FILE, JSON_OUTPUT, NO_REUSE, PRIORITY, REQUEST_TIMEOUT, SERVED_MODEL_NAME,
+)
+from cli.options import job_engine_options, settings_options, table_columns
 from cli.several_models import job_models, several_engines, warn_unserved
 from cli.retention import KEEP, keep_seconds
 from cli.running import run_here, wait_until_completed
 from cli.webhooks import notify_options, notifying
 
-
-# FILE may be "-": standard input, read once into the job's own copy.
-INPUT_FILE = click.Path(exists=True, dir_okay=False, allow_dash=True)
 CAPACITY_POLL_S = 2.0
-MAX_TIMEOUT_S = 30 * 86400.0   # a request timeout longer than the longest completion window means none
-
-
-def _check_window(ctx, param, value):
-    from jobs.scheduling import parse_window
-
-    if value is not None:
-        try:
-            parse_window(value)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-    return value
-
-
-PRIORITY = click.option("--priority", type=click.Choice(PRIORITIES),
-                        help="Workers take higher-priority jobs' shards first (at their next shard "
-                             "boundary); within a priority, first in first out.  [default: normal]")
-COMPLETION_WINDOW = click.option(
-    "--completion-window", callback=_check_window, metavar="WINDOW",
-    help="Time the job has, e.g. 24h, 8h, 30m, 20s: once it passes, shards not started never run, "
-         "running ones stop at their next step, the job ends `expired`, and every request left "
-         "without an answer gets an error row (code batch_expired) that `pipeline retry` runs again.")
-
-
-REQUEST_TIMEOUT = click.option(
-    "--request-timeout", type=FiniteFloat(min=0, min_open=True, max=MAX_TIMEOUT_S), metavar="SECONDS",
-    help="A request still running this long after it started ends with finish_reason timeout (an "
-         "error row keeping its partial text; its KV blocks are freed). A line's own timeout_s wins.  "
-         "[default: none]")
-
-
-SERVED_MODEL_NAME = click.option(
-    "--served-model-name", "served_model_names", multiple=True, metavar="NAME",
-    help="A name the lines' body.model may use for the job's model (repeatable: aliases), e.g. "
-         "gpt-4o-mini, so that an OpenAI batch file runs unchanged; the output lines report the name "
-         "each line used.  [default: the model as given, or its directory's name]")
-
-
-NO_REUSE = click.option(
-    "--no-reuse", is_flag=True,
-    help="Compute every request, even those whose answer an earlier job already holds. By default a "
-         "deterministic request (greedy, seeded or an embedding) on the same engine and model files is "
-         "answered from that job's results (the row's reused_from names it).")
-
-
-DRY_RUN = click.option(
-    "--dry-run", is_flag=True,
-    help="Create nothing: validate and tokenize FILE, then say what the job would do: its lines, prompt "
-         "tokens (in all, at most), lines too long for the model, requests an earlier job would answer, "
-         "the output-token ceiling (max_tokens over every choice) and a duration estimated from the "
-         "recent jobs of the same engine (or that there is no history). Exit 2 for a bad file.")
-JSON_OUTPUT = click.option("--json", "as_json", is_flag=True, help="With --dry-run: one JSON object.")
 
 
 @click.command("submit")
