@@ -6,6 +6,7 @@ from the command line, queued for the same workers.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from api.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_h11
 from api.limits import RequestLimits
 from jobs.settings import Settings
 from jobs.input.line_checks import Limits
+from jobs.several_models import SeveralEngines
 
 
 @dataclass(frozen=True)
@@ -29,19 +31,31 @@ class ServerConfig:
     shard_size: int = 256
     limits: Limits = field(default_factory=Limits)
     served_names: tuple[str, ...] = ()   # --served-model-name: the names lines may use instead
+    # --model given several times: [(model, its engine options)]; each line names one, and a
+    # batch is a job of the models its lines name (jobs.several_models). None: one model.
+    models: tuple[tuple[str, dict], ...] | None = None
     # A connection is closed when its request head or body does not come in time (api.connections).
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
 
     @property
     def model_names(self) -> str | tuple[str, ...]:
-        """What a line's body.model is checked against (jobs.input.line_checks): the served names, else the model."""
-        return self.served_names or self.model
+        """What a line's body.model is checked against (jobs.input.line_checks): the served names, else
+        the model; with several models, each one's names (every line must name one)."""
+        return self.served_names or self.model if self.several is None else self.several.names
 
     @property
     def listed_models(self) -> list[str]:
-        """GET /v1/models: the served names, else the model's own name."""
-        return list(self.served_names) or [Path(self.model).name]
+        """GET /v1/models: the served names, else the model's directory's name, of each model."""
+        if self.several is None:
+            return list(self.served_names) or [Path(self.model).name]
+        return [name for model, served in zip(self.several.models, self.several.served_names)
+                for name in served or [Path(model).name]]
+
+    @functools.cached_property
+    def several(self) -> SeveralEngines | None:
+        """The server's models, when it has several (their names: each line's must be one of them)."""
+        return None if self.models is None else SeveralEngines(list(self.models), self.served_names)
 
     @property
     def max_upload_bytes(self) -> int:

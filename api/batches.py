@@ -107,6 +107,7 @@ def create_batch(request: Request, body: BatchRequest, key: ledger.ApiKey = Depe
         metadata=body.metadata, completion_window=body.completion_window, api_key_id=key.id, priority=priority,
         max_queued_requests=config.settings.max_queued_requests or None, queue=config.settings.queue,
         endpoint=body.endpoint, served_names=config.served_names,
+        models=None if config.models is None else list(config.models), models_named_only=True,
         keep_seconds=body.output_expires_after.seconds if body.output_expires_after else config.settings.keep_results_s())
     try:
         job = submit(config.settings, config.Session, create)

@@ -7,7 +7,8 @@ from cli.errors import EXIT_USAGE, Fail
 from cli.dry_run import check_model
 from cli.job_commands import check_broker, sessions
 from cli.job_options import SERVED_MODEL_NAME
-from cli.options import engine_options, settings_options
+from cli.options import job_engine_options, settings_options
+from cli.several_models import job_models, several_engines
 from cli.webhooks import check_url_param
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -18,7 +19,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
               help="Interface to listen on. Serving beyond this machine (e.g. 0.0.0.0) is a deliberate choice: "
                    "the server speaks plain HTTP, so put TLS in front of it.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@engine_options
+@job_engine_options
 @click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
 @SERVED_MODEL_NAME
 # api.connections' timeouts (its defaults, given here so that `pipeline --help` imports no uvicorn).
@@ -31,13 +32,15 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
               help="Close a connection whose request body brings less than 1 KiB a second over this long "
                    "(a stalled or trickled body).")
 @settings_options("broker_url", "max_upload_bytes")
-def serve_command(host, port, engine_options, shard_size, served_model_names, header_timeout, body_timeout,
-                  settings):
+def serve_command(host, port, engine_options, several_models, shard_size, served_model_names, header_timeout,
+                  body_timeout, settings):
     """Serve the OpenAI Files and Batches API at http://HOST:PORT/v1 until stopped.
 
     An OpenAI batch script works unchanged with base_url="http://HOST:PORT/v1" and a key of
     `pipeline keys add`. Each batch is a job like one of `pipeline submit` with these
-    options, run by the workers; each key sees only its own files and batches.
+    options, run by the workers; each key sees only its own files and batches. With --model
+    given several times, each line's body.model names one of them (as given, or by its
+    directory's name) and a batch is a job of the models its lines name.
     """
     from api.app import ServerConfig, serve
     from jobs import ledger
@@ -45,6 +48,7 @@ def serve_command(host, port, engine_options, shard_size, served_model_names, he
 
     check_broker(settings)   # as `pipeline submit` does: batches could not be queued
     check_model(engine_options.get("model"))
+    several = several_engines(several_models, served_model_names)
     Session = sessions(settings)
     with Session() as s:
         if not any(key.revoked_at is None for key in ledger.list_keys(s)):
@@ -55,7 +59,7 @@ def serve_command(host, port, engine_options, shard_size, served_model_names, he
     config = ServerConfig(settings=settings, Session=Session, model=engine_options.get("model") or BUNDLED_NAME,
                           engine_options=engine_options, shard_size=shard_size,
                           served_names=tuple(served_model_names), header_timeout_s=header_timeout,
-                          body_timeout_s=body_timeout)
+                          body_timeout_s=body_timeout, models=None if several is None else tuple(job_models(several)))
     serve(config, host, port)
 
 

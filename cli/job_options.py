@@ -45,7 +45,8 @@ SERVED_MODEL_NAME = click.option(
     "--served-model-name", "served_model_names", multiple=True, metavar="NAME",
     help="A name the lines' body.model may use for the job's model (repeatable: aliases), e.g. "
          "gpt-4o-mini, so that an OpenAI batch file runs unchanged; the output lines report the name "
-         "each line used.  [default: the model as given, or its directory's name]")
+         "each line used. With several --model: NAME=MODEL, MODEL one of them (as given or by its "
+         "directory's name).  [default: the model as given, or its directory's name]")
 
 
 NO_REUSE = click.option(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jobs.input.line_checks import SeveralModels, model_names
+from jobs.input.line_checks import SeveralModels
 from jobs.input.shard_files import group_by_model
 from jobs.input.validation import Limits
 from jobs.reuse.answer_key import engine_fingerprint
@@ -26,18 +26,31 @@ class SeveralEngines:
     """The models of one job: models is [(the model as given, its engine options)] in --model order."""
 
     def __init__(self, models: list[tuple[str, dict]], served_names: tuple[str, ...] = ()):
-        if served_names:
-            raise ValueError("--served-model-name names one model's served names; a job of several models "
-                             "takes none (its lines name each model as given or by its directory's name)")
+        """served_names: --served-model-name's NAME=MODEL, MODEL one of the models (as given or by its
+        directory's name): a model given names is named by exactly those, as one model's job is."""
         self.models = [name for name, _ in models]
         self.options = [options for _, options in models]
-        self.names: SeveralModels = model_names(self.models)
-        self._index: dict[str, int] = {}
+        own: dict[str, int] = {}   # each model as given, and by its directory's name
         for index, name in enumerate(self.models):
             for alias in dict.fromkeys((name, Path(name).name)):
+                if own.setdefault(alias, index) != index:
+                    raise ValueError(f"the models {self.models[own[alias]]!r} and {name!r} are both "
+                                     f"called {alias!r}: a line could not say which it means")
+        self.served_names: list[list[str]] = [[] for _ in self.models]
+        for served in served_names:
+            alias, equals, model = served.partition("=")
+            if not (alias and equals and model in own):
+                raise ValueError(f"--served-model-name {served!r}: a job of several models takes NAME=MODEL, MODEL "
+                                 f"one of {', '.join(map(repr, self.models))} (or its directory's name)")
+            if alias not in self.served_names[own[model]]:
+                self.served_names[own[model]].append(alias)
+        self._index: dict[str, int] = {}
+        for index, name in enumerate(self.models):
+            for alias in self.served_names[index] or dict.fromkeys((name, Path(name).name)):
                 if self._index.setdefault(alias, index) != index:
                     raise ValueError(f"the models {self.models[self._index[alias]]!r} and {name!r} are both "
                                      f"called {alias!r}: a line could not say which it means")
+        self.names = SeveralModels(self._index)   # what a line may name (jobs.input.line_checks)
         self.keys = [engine_key(options) for options in self.options]
         self._fingerprints: list[str | None] | None = None
 
@@ -63,19 +76,37 @@ class SeveralEngines:
         sizes, models = group_by_model(shard_dir, num_shards, self.model_of, len(self.models), shard_size)
         return sizes, [self.shard_engine(model) for model in models]
 
+    def named(self, shard_engines: list[dict]) -> list[int]:
+        """The indexes of the models whose lines the grouped shards hold, in --model order."""
+        keys = {engine["engine_key"] for engine in shard_engines}
+        return [index for index, key in enumerate(self.keys) if key in keys]
+
+    def only(self, indexes: list[int]) -> "SeveralEngines":
+        """These of the models (a server's narrowed to those a batch's lines name), fingerprints kept."""
+        narrowed = SeveralEngines([(self.models[i], self.options[i]) for i in indexes],
+                                  tuple(f"{alias}={self.models[i]}" for i in indexes for alias in self.served_names[i]))
+        narrowed._fingerprints = [self.fingerprints[i] for i in indexes]
+        return narrowed
+
     def shard_engine(self, model: int) -> dict:
         return {"engine_key": self.keys[model], "engine_options": self.options[model],
                 "engine_fingerprint": self.fingerprints[model]}
 
     def ledger_models(self) -> list[dict]:
-        """jobs.models: each model as given, with its engine options, key and fingerprint."""
-        return [{"model": name, "engine_options": options, "engine_key": key, "engine_fingerprint": fingerprint}
-                for name, options, key, fingerprint in zip(self.models, self.options, self.keys, self.fingerprints)]
+        """jobs.models: each model as given, with its engine options, key and fingerprint (and its
+        served names, where it was given some)."""
+        return [{"model": name, "engine_options": options, "engine_key": key, "engine_fingerprint": fingerprint,
+                 **({"served_names": served} if served else {})}
+                for name, options, key, fingerprint, served in zip(self.models, self.options, self.keys,
+                                                                   self.fingerprints, self.served_names)]
 
     @classmethod
     def of_job(cls, job) -> "SeveralEngines | None":
         """The models of an existing job (a retry's), fingerprinted afresh; None for a one-model job."""
-        return None if job.models is None else cls([(m["model"], m["engine_options"]) for m in job.models])
+        if job.models is None:
+            return None
+        return cls([(m["model"], m["engine_options"]) for m in job.models],
+                   tuple(f"{alias}={m['model']}" for m in job.models for alias in m.get("served_names", ())))
 
 
 class ShardJob:

@@ -41,8 +41,10 @@ def create_job_from_file(
     max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on), endpoint (the
     url every OpenAI line must have, else EndpointMismatch), served_names (the names a
     line's body.model may use instead of the model's own: --served-model-name), columns
-    (a Parquet table's columns that make its lines: jobs.input.request_source.TableColumns)
-    and keep_seconds (how long its results are kept once it ended: jobs.results.retention).
+    (a Parquet table's columns that make its lines: jobs.input.request_source.TableColumns),
+    keep_seconds (how long its results are kept once it ended: jobs.results.retention), models
+    ([(model, engine options)] of a job of several models: jobs.several_models) and
+    models_named_only (a server's batch: the job's models are only those its lines name).
 
     Returns (job_id, requests per shard). Raises InvalidInput (with every bad line,
     including OpenAI lines naming another model than `model`, or a path that is not a
@@ -93,24 +95,32 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 queue: str | None = None, endpoint: str | None = None,
                 served_names: tuple[str, ...] = (), reuse: bool = True, columns=None,
                 keep_seconds: int | None = None, models: list[tuple[str, dict]] | None = None,
-                ) -> tuple[str, list[int]]:
+                models_named_only: bool = False) -> tuple[str, list[int]]:
     check_shard_size(shard_size)
     several = SeveralEngines(models, served_names) if models and len(models) > 1 else None
-    if several is not None:
-        model, engine_options = models[0]
     job_paths = JobPaths(root, job_id)
     try:
-        # The engine's fingerprint, on which a shard makes its requests' keys (jobs.reuse.answer_key:
-        # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse.stored_answers).
-        engine = engine_fingerprint(engine_options) if several is None else several.fingerprints[0]
         limits = with_vocabulary(limits, engine_options) if several is None else several.limits(limits)
         # One pass validates the file and writes its shards; a bad file leaves none.
         validation, shard_sizes = write_input_shards(
             path, job_paths.input_dir, shard_size, limits, columns=columns,
             model=several.names if several is not None else tuple(served_names) or model)
-        shard_engines = None
+        shard_engines, engine = None, None
         if several is not None:   # each shard one model's lines: its engine's own queue
             shard_sizes, shard_engines = several.group(job_paths.input_dir, len(shard_sizes), shard_size)
+            if models_named_only:   # a server's batch: the job's models are those its lines name
+                named = several.named(shard_engines)
+                if len(named) == 1:   # all of one model: a one-model job, as that model's own server makes
+                    engine = several.fingerprints[named[0]]
+                    (model, engine_options), several, shard_engines = models[named[0]], None, None
+                else:
+                    several = several.only(named)
+        if several is not None:   # the job's own columns are its first model's
+            model, engine_options = several.models[0], several.options[0]
+        # The engine's fingerprint, on which a shard makes its requests' keys (jobs.reuse.answer_key:
+        # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse.stored_answers).
+        if engine is None:
+            engine = engine_fingerprint(engine_options) if several is None else several.fingerprints[0]
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):

@@ -77,10 +77,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(tmp: Path, with_worker: bool, held: bool = False):
-    """`pipeline serve` (shards of 2, the bundled model on the CPU, SERVED_AS) on a fresh data
-    root with the SQLite ledger and the API keys of KEYS, and with_worker a `pipeline worker`
-    (one shard in flight; held: under tests/hold.py's hold); all stopped at the end."""
+def serving(tmp: Path, with_worker: bool, held: bool = False, models: tuple[str, ...] = (),
+            served_as: tuple[str, ...] = ()):
+    """`pipeline serve` (shards of 2, on the CPU, the bundled model served as SERVED_AS, or
+    --model each of models, with --served-model-name each of served_as) on a fresh data root with
+    the SQLite ledger and the API keys of KEYS, and with_worker a `pipeline worker` of the same
+    models (one shard in flight; held: under tests/hold.py's hold); all stopped at the end."""
     from click.testing import CliRunner
 
     from cli import main
@@ -97,9 +99,11 @@ def serving(tmp: Path, with_worker: bool, held: bool = False):
     port = free_port()
     log_path = tmp / "serve.log"
     log = open(log_path, "wb")
+    model_args = [arg for model in models for arg in ("--model", str(model))]
+    names = [arg for name in served_as for arg in ("--served-model-name", name)]
     proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port), "--shard-size", "2",
-                             "--device", "cpu", "--kv-cache-gib", "0.1", *SERVED_AS], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+                             "--device", "cpu", "--kv-cache-gib", "0.1", *(model_args + names or SERVED_AS)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         base_url = f"http://127.0.0.1:{port}/v1"
 
@@ -111,8 +115,8 @@ def serving(tmp: Path, with_worker: bool, held: bool = False):
         wait_until("the server to answer", answering, timeout=60, retry=(httpx.TransportError,),
                    diagnostics=lambda: log_path.read_text())
         worker_log = tmp / "worker.log" if with_worker else None
-        with (worker(env, worker_log, "--device", "cpu", "--kv-cache-gib", "0.1", held=held) if with_worker
-              else contextlib.nullcontext()):
+        with (worker(env, worker_log, "--device", "cpu", "--kv-cache-gib", "0.1", *model_args, held=held)
+              if with_worker else contextlib.nullcontext()):
             yield Server(root, env, base_url, keys, worker_log)
     finally:
         proc.terminate()

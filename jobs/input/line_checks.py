@@ -399,13 +399,9 @@ def _default_id(number: int, unit: str = "line") -> str:
 
 
 class SeveralModels(tuple):
-    """The names a line of a job of several models may use (each model as given, or its directory's
-    name): unlike one model's names, every line must name one of them."""
-
-
-def model_names(models) -> SeveralModels:
-    """The names of several models (their names as given), each model's names together."""
-    return SeveralModels(name for model in models for name in dict.fromkeys(_names_of(model)))
+    """The names a line of a job of several models may use (jobs.several_models: each model's served
+    names, else as given or by its directory's name): unlike one model's names, every line must
+    name one of them."""
 
 
 def _names_of(job_model: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ from jobs.ledger import get_job, get_shards, list_jobs, make_engine, session_fac
 from jobs.paths import JobPaths
 from ledger_helpers import the_job_and_its_shards
 from jobs.reuse.answer_key import engine_fingerprint
+from jobs.several_models import SeveralEngines
 from pipeline.engine_key import engine_key
 
 
@@ -182,12 +183,13 @@ def test_the_dry_run_counts_per_model(runner, sqlite_url, data_root, tmp_path, t
     assert f"model {other_tiny_model_dir}:\n  requests: 3 (3 result rows)" in text.stdout
 
 
-def test_served_names_or_one_model_twice_are_refused_with_several_models(runner, sqlite_url, tmp_path,
-                                                                         tiny_model_dir, other_tiny_model_dir):
+def test_a_served_name_not_naming_its_model_or_one_model_twice_are_refused(runner, sqlite_url, tmp_path,
+                                                                            tiny_model_dir, other_tiny_model_dir):
     src = write_jsonl(tmp_path / "mixed.jsonl", _rows(tiny_model_dir, other_tiny_model_dir))
-    served = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
-                                  "--served-model-name", "gpt-4o-mini", "--database-url", sqlite_url])
-    assert served.exit_code == 2 and "a job of several models takes none" in served.output, served.output
+    for name in ("gpt-4o-mini", "gpt-4o-mini=nowhere"):
+        served = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                      "--served-model-name", name, "--database-url", sqlite_url])
+        assert served.exit_code == 2 and "a job of several models takes NAME=MODEL" in served.output, served.output
     twice = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, tiny_model_dir), *FAST,
                                  "--database-url", sqlite_url])
     assert twice.exit_code == 2 and "--model names the same model twice" in twice.output, twice.output
@@ -295,6 +297,45 @@ def test_a_retry_of_a_several_model_job_runs_each_line_on_its_model_again(runner
     assert row["id"] == "long" and row["engine"] == old.models[1]["engine_fingerprint"]
 
 
+def test_served_names_let_a_hosted_file_name_each_model_as_it_did_and_a_retry_keeps_them(
+        runner, sqlite_url, data_root, tmp_path, tiny_model_dir, other_tiny_model_dir):
+    from cluster import TOO_LONG_FOR_TINY
+
+    hosted = {"mini": "gpt-4o-mini", "big": "gpt-4o"}
+    rows = [{"custom_id": f"{size}-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": model, "max_tokens": 2, "temperature": 0,
+                      "messages": [{"role": "user", "content": TOO_LONG_FOR_TINY if i == 2 else f"Say {i}"}]}}
+            for i in range(3) for size, model in hosted.items()]
+    src = write_jsonl(tmp_path / "hosted.jsonl", rows)
+    served = ["--served-model-name", f"gpt-4o-mini={tiny_model_dir.name}",
+              "--served-model-name", f"gpt-4o={other_tiny_model_dir}"]
+    result = runner.invoke(main, ["run", str(src), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                  *served, "--database-url", sqlite_url])
+    assert result.exit_code == 0, result.output   # completed, each long line an error row
+    (old,) = _jobs(sqlite_url)
+    assert [m.get("served_names") for m in old.models] == [["gpt-4o-mini"], ["gpt-4o"]]
+    assert [m["failed_requests"] for m in old.models] == [1, 1]
+    results = pq.read_table(JobPaths(data_root, old.id).results_dir).to_pylist()
+    assert sorted(r["id"] for r in results) == sorted(row["custom_id"] for row in rows)
+    for r in results:   # each row computed by the model its served name names, and reporting that name
+        model = 0 if r["id"].startswith("mini") else 1
+        assert (r["model"], r["engine"]) == (list(hosted.values())[model], old.models[model]["engine_fingerprint"])
+
+    retry = runner.invoke(main, ["retry", old.id, "--local", "--database-url", sqlite_url])
+    new = next(job for job in _jobs(sqlite_url) if job.id == retry.stdout.strip().splitlines()[0])
+    assert [m.get("served_names") for m in new.models] == [["gpt-4o-mini"], ["gpt-4o"]]
+    retried = pq.read_table(JobPaths(data_root, new.id).results_dir).to_pylist()
+    assert sorted((r["id"], r["engine"]) for r in retried) == [
+        ("big-2", old.models[1]["engine_fingerprint"]), ("mini-2", old.models[0]["engine_fingerprint"])]
+
+    # a model given served names has only those: its directory's name is another model's now
+    by_dir = write_jsonl(tmp_path / "by-dir.jsonl", [{**rows[0], "body": {**rows[0]["body"],
+                                                                            "model": tiny_model_dir.name}}])
+    refused = runner.invoke(main, ["run", str(by_dir), *_models(tiny_model_dir, other_tiny_model_dir), *FAST,
+                                   *served, "--database-url", sqlite_url])
+    assert refused.exit_code == 2 and "line 1" in refused.output and "not one of the job's" in refused.output
+
+
 def _jobs(db_url):
     engine = make_engine(db_url)
     try:
@@ -370,7 +411,6 @@ def test_a_large_files_ranges_each_check_that_lines_name_their_model(tmp_path):
     """A large file is scanned in ranges by child processes (jobs.input.file_scan): the later range
     knows it is a job of several models too."""
     from jobs.input.file_scan import validate
-    from jobs.input.line_checks import model_names
 
     rows = []
     for i in range(4000):
@@ -378,6 +418,7 @@ def test_a_large_files_ranges_each_check_that_lines_name_their_model(tmp_path):
         if i != 3500:
             body["model"] = "a" if i % 2 else "b"
         rows.append({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
-    validation = validate(write_jsonl(tmp_path / "large.jsonl", rows), model=model_names(["/x/a", "/y/b"]), ranges=2)
+    names = SeveralEngines([("/x/a", {}), ("/y/b", {})]).names
+    validation = validate(write_jsonl(tmp_path / "large.jsonl", rows), model=names, ranges=2)
     assert [e.line for e in validation.errors] == [3501]
     assert validation.errors[0].message.startswith("the line names no model")
