@@ -38,10 +38,9 @@ import os
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from jobs import ledger
 from jobs.settings import Settings
 from workers.devices import parse_visible_devices
 
@@ -292,19 +291,17 @@ def accounts_shards(run_shard):
     return wrapper
 
 
-def charge_shard(Session, job_id: str, index: int, attempt: int) -> Usage | None:
-    """Charge the shard run_shard is committing (see the module's doc) and record it on the
-    shard under its attempt; None when not measured (a failure is logged, never raised)."""
+def charge_shard(job_id: str, index: int) -> Usage | None:
+    """Charge the shard run_shard is about to commit (see the module's doc) and return it, for
+    the commit to write on the shard in the same fenced update (ledger.commit_shard's usage);
+    None when not measured (a failure is logged, never raised)."""
     token = _token.get()
     if token is None:
         return None
     try:
-        usage = account().charge(token)
-        with Session() as s:
-            ledger.record_shard_usage(s, job_id, index, attempt, **asdict(usage))
-        return usage
+        return account().charge(token)
     except Exception:
-        log.warning("recording the energy of %s/%d failed", job_id, index, exc_info=True)
+        log.warning("measuring the energy of %s/%d failed", job_id, index, exc_info=True)
         return None
 
 

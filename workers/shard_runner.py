@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import asdict
 from enum import Enum
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -140,10 +141,10 @@ def run_shard(
                 released = ledger.release_shard(s, job_id, index, attempt)
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
-        usage = energy.charge_shard(Session, job_id, index, attempt)   # its joules, device-seconds, cost
+        usage = energy.charge_shard(job_id, index)   # its joules, device-seconds, cost: written by the commit
         try:
             committed = commit_rows(Session, paths, job_id, index, attempt, rows, status,
-                                    answers=answers_of(specs, rows))
+                                    answers=answers_of(specs, rows), usage=asdict(usage) if usage else None)
         except Exception as e:   # its cause goes on the shard, so the reaper gives it, not "stopped responding"
             cause = str(e).splitlines()[0][:500] if str(e) else ""   # a database error's first line, not its SQL
             _note_error(Session, job_id, index, attempt, f"committing the shard failed: {type(e).__name__}: {cause}")

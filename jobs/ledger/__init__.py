@@ -55,7 +55,7 @@ from jobs.ledger.retention_queries import mark_results_expired, results_due, res
 from jobs.ledger.shard_leases import (
     claim_shard, commit_shard, fail_shard, note_shard_error, release_shard, renew_lease,
 )
-from jobs.ledger.usage import job_usage, record_shard_usage
+from jobs.ledger.usage import job_usage
 from jobs.ledger.webhooks import (
     Claimed, DeliveryStatus, claim_delivery, cli_endpoint, deliveries_of_job, due_deliveries, endpoint_of,
     key_endpoints, mark_delivered, mark_failed_attempt, notify, record_events, remove_key_endpoint, set_key_endpoint,
@@ -76,7 +76,7 @@ __all__ = [
     "deliveries_of_job", "due_deliveries", "endpoint_of", "key_endpoints", "mark_delivered", "mark_failed_attempt",
     "notify", "record_events", "remove_key_endpoint", "set_key_endpoint",
     # energy and cost
-    "job_usage", "record_shard_usage",
+    "job_usage",
     # retention
     "expired_files", "file_expired", "mark_results_expired", "results_due", "results_expire_at",
 ]

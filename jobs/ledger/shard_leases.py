@@ -69,14 +69,16 @@ def release_shard(s: Session, job_id: str, index: int, attempt: int) -> bool:
 def commit_shard(
     s: Session, job_id: str, index: int, attempt: int, *, totals: dict[str, int], tmp_path: str | os.PathLike,
     final_path: str | os.PathLike, status: str = ShardStatus.COMPLETED, answers: list[tuple[str, str]] = (),
+    usage: dict | None = None,
 ) -> bool:
     """Publish an attempt's results: fenced ledger update and file rename in one transaction.
 
     status is "completed", "cancelled" (a partial shard of a cancelled job) or "failed"
     (error rows of an exhausted shard). totals (jobs.results.result_row.shard_totals: the
-    SHARD_TOTALS of its rows) are set on the shard and added to the job; answers, (request key,
-    request id) of its reusable successful requests, are indexed (ledger.answers) in the same
-    transaction. A stale attempt never commits: it gets False and
+    SHARD_TOTALS of its rows) are set on the shard and added to the job; usage, what the attempt
+    was charged (the USAGE_COLUMNS, ledger.usage), is set on the shard in the same fenced update;
+    answers, (request key, request id) of its reusable successful requests, are indexed
+    (ledger.answers) in the same transaction. A stale attempt never commits: it gets False and
     its tmp file is deleted. If the database commit fails after the rename, the shard
     stays running and a later attempt overwrites the file, so results stay consistent.
     """
@@ -85,10 +87,12 @@ def commit_shard(
     unknown = set(totals) - set(SHARD_TOTALS)
     if unknown:
         raise ValueError(f"unknown shard totals: {sorted(unknown)}")
+    if usage is not None and set(usage) != set(USAGE_COLUMNS):
+        raise ValueError(f"a shard's usage has {sorted(usage)}, not {sorted(USAGE_COLUMNS)}")
     counts = dict(totals)
     won = execute(s, update(Shard)
                    .where(held(job_id, index, attempt))
-                   .values(status=status, finished_at=utcnow(), lease_expires_at=None, **counts)
+                   .values(status=status, finished_at=utcnow(), lease_expires_at=None, **counts, **(usage or {}))
                    ).rowcount == 1
     if not won:
         s.rollback()

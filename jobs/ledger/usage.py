@@ -1,32 +1,25 @@
 """Energy, device time and cost on the ledger: what a shard's attempt was charged, and a job's sums.
 
-The worker measures (workers.energy) and records its shard's charge just before it commits
-the shard, fenced by the attempt as every shard write is, so a finalizer that sees the
-shard committed sees its charge too; a claim clears what an earlier attempt recorded
-(shard_leases.claim_shard). A job's figures are the sums over its committed shards that
-were charged (those that ran in a worker or `pipeline run`; a shard the reaper gave up, or
-one answered at submit, ran nowhere and has none): joules only when every one of them was
-measured, cost only when every one had a rate, so a sum is never part of the truth.
+The worker measures its shard's charge (workers.energy) just before it commits the shard, and
+the commit writes it: ledger.commit_shard sets the USAGE_COLUMNS in the same fenced update (by
+attempt) that commits the shard, so whoever sees the shard committed sees its charge, and an
+attempt that lost its lease records nothing. A claim clears whatever an earlier attempt recorded
+(shard_leases.claim_shard: only a worker of an earlier version, which wrote the charge in a
+transaction of its own before its commit, could leave one on a shard it never committed). A
+job's figures are the sums over its committed shards that were charged (those that ran in a
+worker or `pipeline run`; a shard the reaper gave up, or one answered at submit, ran nowhere and
+has none): joules only when every one of them was measured, cost only when every one had a rate,
+so a sum is never part of the truth.
 """
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from jobs.ledger.conditional import commit_if_won, held
 from jobs.ledger.models import Shard, ShardStatus
 
 USAGE_COLUMNS = ("joules", "device_seconds", "cost", "energy_meter", "energy_unmeasured")
 NOT_RUN = "no shard of it ran on a device: answered from stored answers, or never run"
-
-
-def record_shard_usage(s: Session, job_id: str, index: int, attempt: int, *, joules: float | None,
-                       device_seconds: float, cost: float | None, energy_meter: str | None,
-                       energy_unmeasured: str | None) -> bool:
-    """Set what attempt `attempt` of the shard was charged, while it still holds it."""
-    return commit_if_won(s, update(Shard).where(held(job_id, index, attempt)).values(
-        joules=joules, device_seconds=device_seconds, cost=cost, energy_meter=energy_meter,
-        energy_unmeasured=energy_unmeasured))
 
 
 def job_usage(s: Session, job_id: str) -> dict:

@@ -149,9 +149,10 @@ def test_migration_0016_goes_down_and_up_keeping_the_jobs(db_url, ledger):
 
 
 def test_a_jobs_sums_are_null_unless_every_shard_that_ran_has_them(ledger, tmp_path):
-    """Through the ledger's own writes: claim (which clears an earlier attempt's charge), the fenced
-    charge, the commit; a stale attempt's charge is refused; shards that never ran do not count."""
-    from jobs.ledger import claim_shard, commit_shard, job_usage, record_shard_usage
+    """Through the ledger's own writes: claim (which clears an earlier attempt's charge), the commit that
+    writes the charge in its fenced update (a stale attempt's commit writes nothing); shards that never
+    ran do not count."""
+    from jobs.ledger import claim_shard, commit_shard, job_usage
     from jobs.results.result_row import shard_totals
     from ledger_helpers import make_job
 
@@ -161,16 +162,22 @@ def test_a_jobs_sums_are_null_unless_every_shard_that_ran_has_them(ledger, tmp_p
     charges = {0: dict(joules=10.0, device_seconds=2.0, cost=0.5, energy_meter="rapl (package-0)",
                        energy_unmeasured=None),
                1: dict(joules=None, device_seconds=3.0, cost=None, energy_meter=None, energy_unmeasured=why)}
+
+    def commit(s, index, attempt, usage):
+        tmp = tmp_path / f"{index}-{attempt}.tmp"
+        tmp.write_bytes(b"")
+        return commit_shard(s, job_id, index, attempt, totals=shard_totals([]), tmp_path=tmp,
+                            final_path=tmp_path / f"{index}.parquet", usage=usage)
+
     with Session() as s:
         assert job_usage(s, job_id)["energy_unmeasured"].startswith("no shard of it ran on a device")
         for index, charge in charges.items():
             attempt = claim_shard(s, job_id, index, "w:1", 60, 3)
-            assert not record_shard_usage(s, job_id, index, attempt + 1, **charge)   # not the holder
-            assert record_shard_usage(s, job_id, index, attempt, **charge)
-            tmp = tmp_path / f"{index}.tmp"
-            tmp.write_bytes(b"")
-            assert commit_shard(s, job_id, index, attempt, totals=shard_totals([]), tmp_path=tmp,
-                                final_path=tmp_path / f"{index}.parquet")
+            assert not commit(s, index, attempt + 1, charge)   # not the holder: nothing written
+            assert job_usage(s, job_id)["device_seconds"] == (None if index == 0 else 2.0)
+            with pytest.raises(ValueError, match="usage"):
+                commit(s, index, attempt, {"joules": 1.0})
+            assert commit(s, index, attempt, charge)
         # shard 2 never ran here (say the reaper gave it up): it has no charge and counts for nothing
         usage = job_usage(s, job_id)
     assert usage == {"joules": None, "device_seconds": 5.0, "cost": None,
@@ -182,9 +189,14 @@ def test_a_jobs_sums_are_null_unless_every_shard_that_ran_has_them(ledger, tmp_p
         s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == 1).values(device_seconds=None))
         s.commit()
         assert job_usage(s, job_id) == {"joules": 10.0, "device_seconds": 2.0, "cost": 0.5, "energy_unmeasured": None}
-        # an attempt that charged its shard but never committed: the next claim clears its charge
+        # a charge left on a shard its attempt never committed (as a worker that wrote it in a transaction
+        # of its own, before its commit, could leave): the next claim clears it
         first = claim_shard(s, job_id, 2, "w:1", 0, 3)
-        assert record_shard_usage(s, job_id, 2, first, **charges[0])
+        s.execute(update(Shard).where(Shard.job_id == job_id, Shard.index == 2).values(**charges[0]))
+        s.commit()
         assert claim_shard(s, job_id, 2, "w:2", 60, 3) == first + 1
         shard = next(sh for sh in get_shards(s, job_id) if sh.index == 2)
         assert (shard.joules, shard.device_seconds, shard.cost, shard.energy_meter) == (None, None, None, None)
+        assert commit(s, 2, first + 1, None)   # committed unmeasured (no account): still no charge
+        shard = next(sh for sh in get_shards(s, job_id) if sh.index == 2)
+        assert (shard.status, shard.joules, shard.device_seconds) == ("completed", None, None)
