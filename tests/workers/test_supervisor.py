@@ -200,6 +200,28 @@ def test_run_gpus_sigterm_cancels_the_job_keeping_what_finished(sqlite_url, clus
     assert "cancelled" in table["finish_reason"].to_pylist()
 
 
+def test_run_gpus_runs_a_job_of_several_models_each_line_on_its_model(sqlite_url, cluster_factory, tmp_path,
+                                                                      other_tiny_model_dir):
+    """`pipeline run --gpus 0,1 --model A --model B`: each child takes one model's shards, then the
+    other's (as `pipeline resume` of a several-model job does), each row made by its line's model."""
+    c = cluster_factory(sqlite_url)
+    models = [str(c.model_dir), str(other_tiny_model_dir)]
+    rows = [{"id": f"r{i}", "model": models[i % 2], "prompt": f"Count {i}", "max_tokens": 3, "temperature": 0}
+            for i in range(8)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    run = c.start_cli("run", src, "--gpus", "0,1", "--model", models[0], "--model", models[1], "--device", "cpu",
+                      "--kv-cache-gib", "0.05", "--shard-size", "2", "--shards-in-flight", "1")
+    assert run.wait(timeout=WAIT_S) == 0, c.log(run)
+    (job_id,) = get_jobs_of(c)
+    c.assert_exactly_once(job_id, [r["id"] for r in rows])
+    job = c.job(job_id)
+    fingerprints = [m["engine_fingerprint"] for m in job.models]
+    table = read_results(JobPaths(c.root, job_id).results_dir)
+    for row_id, engine in zip(table["id"].to_pylist(), table["engine"].to_pylist()):
+        assert engine == fingerprints[int(row_id[1:]) % 2], (row_id, engine)
+    assert [m["completed_requests"] for m in job.models] == [4, 4] and job.status == "completed"
+
+
 def test_resume_gpus_finishes_a_queued_job_in_one_process_per_gpu(sqlite_url, cluster_factory, tmp_path):
     """`pipeline resume JOB --gpus 0,1` (here CPU engines, pinned by number) splits what is left
     of a job as `pipeline run --gpus` does: both children compute, each id once."""
