@@ -30,18 +30,17 @@ class SeveralEngines:
         directory's name): a model given names is named by exactly those, as one model's job is."""
         self.models = [name for name, _ in models]
         self.options = [options for _, options in models]
-        own: dict[str, int] = {}   # each model as given, and by its directory's name
-        for index, name in enumerate(self.models):
-            for alias in dict.fromkeys((name, Path(name).name)):
-                if own.setdefault(alias, index) != index:
-                    raise ValueError(f"the models {self.models[own[alias]]!r} and {name!r} are both "
-                                     f"called {alias!r}: a line could not say which it means")
+        # MODEL of NAME=MODEL: a model as given, or by its directory's name where no other has it
+        dir_names = [Path(name).name for name in self.models]
+        own = {**{d: i for i, d in enumerate(dir_names) if dir_names.count(d) == 1},
+               **{name: i for i, name in enumerate(self.models)}}
         self.served_names: list[list[str]] = [[] for _ in self.models]
         for served in served_names:
             alias, equals, model = served.partition("=")
             if not (alias and equals and model in own):
-                raise ValueError(f"--served-model-name {served!r}: a job of several models takes NAME=MODEL, MODEL "
-                                 f"one of {', '.join(map(repr, self.models))} (or its directory's name)")
+                raise ValueError(f"--served-model-name {served!r}: a job of several models takes NAME=MODEL, "
+                                 f"MODEL one of {', '.join(map(repr, self.models))} (or its directory's name, "
+                                 "if no other has it)")
             if alias not in self.served_names[own[model]]:
                 self.served_names[own[model]].append(alias)
         self._index: dict[str, int] = {}
