@@ -17,7 +17,9 @@ their real tokenizers, and runs (product_steps.py):
 - worker_kill: redis-server, `pipeline worker` (`--gpus all` on CUDA: one child per GPU),
   `pipeline submit --wait` of the same file, one worker child SIGKILLed mid-job (the
   worker itself where it has none: then another is started), every id exactly once;
-- embedding: an embedding job on the encoder; status: `pipeline status`; sql: the ledger.
+- embedding: an embedding job on the encoder; status: `pipeline status`; sql: the ledger;
+- energy: each job's joules, tokens per joule and device-seconds, and the counters its shards
+  were measured with (on CUDA: passed when every job was measured by NVML).
 A wall-clock budget (--budget-s) skips a step that no longer fits; the summary still prints.
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ SIZES = {("cuda", False): (4096, (16, 256), (8, 128), 256, 4096, (8, 128), 10),
          ("cuda", True): (1024, (16, 256), (8, 128), 64, 1024, (8, 128), 10),
          ("cpu", False): (256, (16, 256), (8, 128), 16, 256, (8, 128), 5),
          ("cpu", True): (48, (16, 64), (16, 48), 4, 64, (4, 32), 3)}
-MIN_SECONDS = {"models": 20, "run": 40, "bench": 30, "worker_kill": 60, "embedding": 15, "status": 5, "sql": 1}
+MIN_SECONDS = {"models": 20, "run": 40, "bench": 30, "worker_kill": 60, "embedding": 15, "status": 5, "sql": 1, "energy": 1}
 LINES: list[dict] = []
 
 
@@ -227,6 +229,7 @@ def run_steps(args, product: Product, tmp: Path) -> None:
     if product.jobs:
         step("status", product, product.status, next(iter(product.jobs.values())))
         step("sql", product, product.sql_query)
+        step("energy", product, product.energy, args.device == "cuda")
 
 
 def build_models(args, tmp: Path) -> dict:

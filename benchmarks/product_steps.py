@@ -260,6 +260,18 @@ class Product:
                     request_counts=batch.get("request_counts"), text_lines=len(text.splitlines()),
                     jobs_listed=sum(j in listed for j in self.jobs.values()))
 
+    def energy(self, judged: bool) -> dict:
+        """Each job's energy and device time as the ledger keeps them (issue 53, item 3), and the
+        counters its shards were measured with. Judged (CUDA): every job measured, by NVML."""
+        jobs = self.sql("SELECT id, joules, tokens_per_joule, device_seconds, energy_unmeasured FROM jobs "
+                        "ORDER BY created_at")
+        meters = sorted({r["energy_meter"] for r in self.sql("SELECT DISTINCT energy_meter FROM shards")
+                         if r["energy_meter"]})
+        measured = bool(jobs) and all(job["joules"] and job["joules"] > 0 for job in jobs)
+        status = ("passed" if measured and meters and all(m.startswith("nvml") for m in meters) else "failed") \
+            if judged else "measured"
+        return dict(status=status, jobs=jobs, meters=meters)
+
     def sql_query(self) -> dict:
         """One SQL query on the ledger, as the README's tour runs it."""
         rows = self.sql("SELECT id, status, total_requests, completed_requests, failed_requests, output_tok_s, "

@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import product_carry  # noqa: E402
 
-STEPS = ["environment", "models", "run", "bench", "worker_kill", "embedding", "status", "sql", "summary"]
+STEPS = ["environment", "models", "run", "bench", "worker_kill", "embedding", "status", "sql", "energy", "summary"]
 
 
 def test_every_step_runs_on_the_cpu_and_says_so_in_json(tmp_path):
@@ -38,6 +38,9 @@ def test_every_step_runs_on_the_cpu_and_says_so_in_json(tmp_path):
     assert steps["embedding"]["status"] == "passed" and steps["embedding"]["dims"] == 384
     assert steps["status"]["batch_status"] == "completed" and steps["status"]["jobs_listed"] == 3
     assert [row["status"] for row in steps["sql"]["rows"]] == ["completed"] * 3
+    energy = steps["energy"]   # judged on CUDA (NVML); here each job's device time, and why no joules if none
+    assert energy["status"] == "measured" and len(energy["jobs"]) == 3, energy
+    assert all(job["device_seconds"] > 0 and (job["joules"] or job["energy_unmeasured"]) for job in energy["jobs"])
     summary = steps["summary"]
     assert (summary["failed"], summary["error"], summary["skipped"]) == (0, 0, 0) and done.returncode == 0, done.stdout
 
