@@ -48,7 +48,8 @@ SIZES = {("cuda", False): (4096, (16, 256), (8, 128), 256, 4096, (8, 128), 10),
          ("cuda", True): (1024, (16, 256), (8, 128), 64, 1024, (8, 128), 10),
          ("cpu", False): (256, (16, 256), (8, 128), 16, 256, (8, 128), 5),
          ("cpu", True): (48, (16, 64), (16, 48), 4, 64, (4, 32), 3)}
-MIN_SECONDS = {"models": 20, "run": 40, "bench": 30, "worker_kill": 60, "embedding": 15, "status": 5, "sql": 1, "energy": 1}
+MIN_SECONDS = {"models": 20, "run": 40, "bench": 30, "worker_kill": 60, "embedding": 15, "status": 5, "sql": 1,
+               "energy": 1}
 LINES: list[dict] = []
 
 
