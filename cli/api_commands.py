@@ -39,16 +39,18 @@ def serve_command(host, port, engine_options, several_models, shard_size, served
     An OpenAI batch script works unchanged with base_url="http://HOST:PORT/v1" and a key of
     `pipeline keys add`. Each batch is a job like one of `pipeline submit` with these
     options, run by the workers; each key sees only its own files and batches. With --model
-    given several times, each line's body.model names one of them (as given, or by its
-    directory's name) and a batch is a job of the models its lines name.
+    given several times, each line's body.model names one of them (by its --served-model-name
+    NAME=MODEL, else as given or by its directory's name) and a batch is a job of the models its
+    lines name.
     """
     from api.app import ServerConfig, serve
     from jobs import ledger
     from pipeline.models.bundled import BUNDLED_NAME
 
     check_broker(settings)   # as `pipeline submit` does: batches could not be queued
-    check_model(engine_options.get("model"))
-    several = several_engines(several_models, served_model_names)
+    several = several_engines(several_models, served_model_names)   # each model checked there
+    if several is None:
+        check_model(engine_options.get("model"))
     Session = sessions(settings)
     with Session() as s:
         if not any(key.revoked_at is None for key in ledger.list_keys(s)):

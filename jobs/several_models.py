@@ -2,7 +2,8 @@
 engines.
 
 Each line names its model (body.model in OpenAI lines, `model` in ours) by the names one model's
-job takes: the model as given, or its directory's name. A line naming none, or a model not among
+job takes: its served names (--served-model-name NAME=MODEL) where it was given some, else the
+model as given or its directory's name. A line naming none, or a model not among
 the job's, is a bad line (jobs.input.line_checks.SeveralModels). Once the file is valid its shards
 are rewritten so that each holds one model's lines (jobs.input.shard_files.group_by_model), and
 each shard's ledger row names its engine: the key of the queue it is sent on, the options a worker
@@ -51,13 +52,18 @@ class SeveralEngines:
                                      f"called {alias!r}: a line could not say which it means")
         self.names = SeveralModels(self._index)   # what a line may name (jobs.input.line_checks)
         self.keys = [engine_key(options) for options in self.options]
-        self._fingerprints: list[str | None] | None = None
+        self._fingerprints: dict[int, str | None] = {}
+
+    def fingerprint(self, model: int) -> str | None:
+        """The model's engine fingerprint: reads its files, so only once the file is valid, and only
+        for the models a job's lines name (a server's others are not read for its batch)."""
+        if model not in self._fingerprints:
+            self._fingerprints[model] = engine_fingerprint(self.options[model])
+        return self._fingerprints[model]
 
     @property
     def fingerprints(self) -> list[str | None]:
-        if self._fingerprints is None:   # reads every model's files: only once the file is valid
-            self._fingerprints = [engine_fingerprint(options) for options in self.options]
-        return self._fingerprints
+        return [self.fingerprint(model) for model in range(len(self.models))]
 
     def model_of(self, name: str | None) -> int:
         """The index of the model a (valid) line names."""
@@ -84,12 +90,12 @@ class SeveralEngines:
         """These of the models (a server's narrowed to those a batch's lines name), fingerprints kept."""
         narrowed = SeveralEngines([(self.models[i], self.options[i]) for i in indexes],
                                   tuple(f"{alias}={self.models[i]}" for i in indexes for alias in self.served_names[i]))
-        narrowed._fingerprints = [self.fingerprints[i] for i in indexes]
+        narrowed._fingerprints = {j: self._fingerprints[i] for j, i in enumerate(indexes) if i in self._fingerprints}
         return narrowed
 
     def shard_engine(self, model: int) -> dict:
         return {"engine_key": self.keys[model], "engine_options": self.options[model],
-                "engine_fingerprint": self.fingerprints[model]}
+                "engine_fingerprint": self.fingerprint(model)}
 
     def ledger_models(self) -> list[dict]:
         """jobs.models: each model as given, with its engine options, key and fingerprint (and its

@@ -111,7 +111,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
             if models_named_only:   # a server's batch: the job's models are those its lines name
                 named = several.named(shard_engines)
                 if len(named) == 1:   # all of one model: a one-model job, as that model's own server makes
-                    engine = several.fingerprints[named[0]]
+                    engine = several.fingerprint(named[0])
                     (model, engine_options), several, shard_engines = models[named[0]], None, None
                 else:
                     several = several.only(named)
@@ -120,7 +120,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
         # The engine's fingerprint, on which a shard makes its requests' keys (jobs.reuse.answer_key:
         # the lineage of their rows and, with reuse, what the shard looks up first: jobs.reuse.stored_answers).
         if engine is None:
-            engine = engine_fingerprint(engine_options) if several is None else several.fingerprints[0]
+            engine = engine_fingerprint(engine_options) if several is None else several.fingerprint(0)
         # A pipeline-format file (no endpoint of its own) may be a chat or completions batch, not an embeddings one.
         if endpoint is not None and validation.endpoint != endpoint and (
                 validation.endpoint is not None or endpoint == EMBEDDINGS_ENDPOINT):
@@ -277,7 +277,7 @@ def create_retry_job(
                 priority=priority or old.priority, request_timeout_s=old.request_timeout_s, queue=queue,
                 # fingerprinted afresh: the retry runs on the model files as they are now
                 reuse=old.reuse, engine_fingerprint=(engine_fingerprint(old.engine_options) if several is None
-                                                     else several.fingerprints[0]),
+                                                     else several.fingerprint(0)),
                 answer_scope=old.answer_scope, keep_seconds=old.keep_seconds, shard_engines=shard_engines,
                 models=None if several is None else several.ledger_models(),
                 metadata={**(old.metadata_ or {}), "retry_of": job_id})

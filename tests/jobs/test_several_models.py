@@ -43,7 +43,7 @@ def test_a_served_name_that_names_no_model_or_another_models_name_is_refused(ser
 
 def test_the_ledgers_models_keep_the_served_names_for_a_retry_and_a_narrowed_server_too():
     engines = _engines("gpt-4o-mini=a")
-    engines._fingerprints = ["fa", "fb"]   # as if read from the model files
+    engines._fingerprints = {0: "fa", 1: "fb"}   # as if read from the model files
     models = engines.ledger_models()
     assert models[0]["served_names"] == ["gpt-4o-mini"] and "served_names" not in models[1]
     again = SeveralEngines.of_job(SimpleNamespace(models=models))
