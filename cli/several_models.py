@@ -1,6 +1,7 @@
-"""`pipeline submit` / `pipeline run` with --model given several times: a job of several models
-(jobs.several_models). Its checks before anything is made, and submit's warning, per model, when
-no live worker serves a model's engine (naming the model and the first of its lines)."""
+"""`pipeline submit` / `pipeline run` / `pipeline serve` with --model given several times: a job of
+several models (jobs.several_models). Its checks before anything is made, and submit's warning,
+per model, when no live worker serves a model's engine (naming the model and the first of its
+lines)."""
 from __future__ import annotations
 
 import json

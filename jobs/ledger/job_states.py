@@ -27,7 +27,8 @@ def create_job(
     api_key_id: the API key that owns it, for jobs made through `pipeline serve`; queue:
     the PIPELINE_QUEUE prefix its shards are sent on (None for a job run in-process).
     A completion_window (jobs.scheduling.parse_window) sets expires_at from now. A job of several
-    models: models ([{"model", "engine_options", "engine_key", "engine_fingerprint"}] in order) and shard_engines (per shard, its engine's
+    models: models ([{"model", "engine_options", "engine_key", "engine_fingerprint"} and, where
+    given, "served_names"] in order) and shard_engines (per shard, its engine's
     {"engine_key", "engine_options", "engine_fingerprint"}; None: the job's own)."""
     paths.check_job_id(job_id)
     if input_format not in INPUT_FORMATS:

@@ -68,9 +68,11 @@ class Job(Base):
     engine_options: Mapped[dict] = mapped_column(JSON)
     # The engine the job needs (pipeline.engine_key): its shards go to that key's queue.
     engine_key: Mapped[str | None] = mapped_column(String, index=True)
-    # A job of several models (0017): each model's `model` and engine_key, [{"model", "engine_key"}]
-    # in --model order; model, engine_options, engine_key and engine_fingerprint above are the
-    # first model's. Null for a one-model job. Its shards say which model each runs.
+    # A job of several models (0017): jobs.several_models' ledger_models, in --model order: each
+    # model as given, its engine_options, engine_key, engine_fingerprint and served_names (where
+    # given), with its requests and tokens once the job ends; model, engine_options, engine_key and
+    # engine_fingerprint above are the first model's. Null for a one-model job. Its shards say
+    # which model each runs.
     models: Mapped[list | None] = mapped_column(JSON)
     # The PIPELINE_QUEUE prefix it was submitted on (null: a local job, or one from before
     # 0007): recovery re-sends its shards to `<queue>.<engine_key>`, never another prefix.
