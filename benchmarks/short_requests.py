@@ -9,11 +9,21 @@ and runs them as one job: through one real `pipeline worker` (`--mode worker`, R
 per line: reading shards, tokenizing, scheduling, building rows, writing Parquet,
 committing. Prints one JSON line per round: lines/s over the job's ledger wall time.
 
+`--mode engine` runs the same lines through the engine alone, in this thread, in shards of
+--shard-size: the engine thread's share of a worker's cost, which bounds a worker however
+many cores its host has (the worker's other threads share its GIL). It prints this
+thread's CPU microseconds per line in tokenizing (chat templates and the tokenizer),
+admitting and stepping (scheduling, the tiny model, sampling, outputs): CPU time, so
+another busy process on the machine barely moves it.
+
     python benchmarks/short_requests.py --kind chat --n 20000 --rounds 2
     python benchmarks/short_requests.py --kind embed --n 20000 --profile /tmp/worker.txt
+    python benchmarks/short_requests.py --kind chat --mode engine --rounds 3
 
 --profile FILE records the worker with py-spy (if installed) during the last round and
-writes each function's share of the samples (own and with callees), busiest first.
+writes each function's share of the samples (own and with callees), busiest first. Only
+the thread holding the GIL is sampled (py-spy --gil): the worker's ceiling is what its
+threads do with the GIL, and idle threads waiting would swamp the summary.
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from datetime import datetime
 from pathlib import Path
@@ -88,6 +99,44 @@ def write_lines(kind: str, n: int, out: Path) -> Path:
     return out
 
 
+def engine_requests(kind: str, path: Path) -> list:
+    """The lines of path as engine requests, as a worker makes them (greedy, 1 token, 2 logprobs)."""
+    from pipeline.pooling_params import PoolingParams
+    from pipeline.request import Request
+    from pipeline.sampling_params import SamplingParams
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    if kind == "embed":
+        return [Request(line["id"], prompt=line["input"], pooling=PoolingParams()) for line in lines]
+    return [Request(line["id"], messages=line["messages"], params=SamplingParams(
+        temperature=0.0, max_tokens=line["max_tokens"], logprobs=line["logprobs"])) for line in lines]
+
+
+def engine_round(engine, requests: list, shard_size: int) -> dict:
+    """requests through the engine, a shard at a time: this thread's CPU us per line in each part."""
+    spent = collections.Counter()
+
+    def timed(part: str, fn, *args):
+        start = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            spent[part] += time.thread_time() - start
+
+    done, wall = 0, time.perf_counter()
+    for at in range(0, len(requests), shard_size):
+        shard = requests[at:at + shard_size]
+        refused = timed("admit_us", engine.add_requests, shard, timed("tokenize_us", engine.tokenize_batch, shard))
+        done += sum(map(len, refused))
+        while engine.has_unfinished_requests:
+            done += len(timed("step_us", engine.step))
+    if done != len(requests):
+        raise RuntimeError(f"{done} results for {len(requests)} requests")
+    wall = time.perf_counter() - wall
+    return {"lines_per_s": round(len(requests) / wall, 1),
+            **{part: round(spent[part] / len(requests) * 1e6, 1) for part in ("tokenize_us", "admit_us", "step_us")},
+            "engine_thread_us": round(sum(spent.values()) / len(requests) * 1e6, 1)}
+
+
 def cli(*args, env) -> str:
     return subprocess.run([sys.executable, "-m", "cli", *args], env=env, text=True, capture_output=True,
                           check=True).stdout
@@ -140,7 +189,7 @@ def profile_summary(raw: Path, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=("chat", "embed"), default="chat")
-    ap.add_argument("--mode", choices=("worker", "run"), default="worker")
+    ap.add_argument("--mode", choices=("worker", "run", "engine"), default="worker")
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--shard-size", type=int, default=256)
@@ -150,6 +199,15 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="short-requests-"))
     model = (tiny_llama if args.kind == "chat" else tiny_bert)(tmp / "model")
+    if args.mode == "engine":
+        from pipeline.config import EngineConfig
+        from pipeline.engine.factory import build_engine
+        engine = build_engine(EngineConfig(device="cpu", model=str(model), dtype="float32"))
+        for r in range(args.rounds):
+            requests = engine_requests(args.kind, write_lines(args.kind, args.n, tmp / f"round{r}.jsonl"))
+            print(json.dumps({"kind": args.kind, "mode": "engine", "round": r, "lines": args.n,
+                              **engine_round(engine, requests, args.shard_size)}), flush=True)
+        return
     env = {**os.environ, "PIPELINE_DATA_DIR": str(tmp / "data"), "PIPELINE_QUEUE": f"bench-{uuid.uuid4().hex[:8]}"}
     env.pop("PIPELINE_DATABASE_URL", None)   # the data dir's SQLite ledger
     db = tmp / "data" / "ledger.sqlite"
@@ -168,7 +226,7 @@ def main() -> None:
             spy = None
             cpu_before = cpu_s(worker.pid) if worker is not None else None
             if args.profile and r == args.rounds - 1 and worker is not None:
-                spy = subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "250",
+                spy = subprocess.Popen(["py-spy", "record", "--gil", "--format", "raw", "--rate", "250",
                                         "-o", str(tmp / "spy.raw"), "-p", str(worker.pid)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if args.mode == "worker":

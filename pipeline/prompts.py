@@ -34,19 +34,26 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
     alone, 230 in fours, 170 in sixteens on two cores)."""
     ids: list[list[int] | Exception | None] = [None] * len(requests)
     raw, chats = [], []   # (index, text): encoded with special tokens, and without
+    plain_chats: dict[str | None, list[int]] = {}   # reasoning_effort -> indexes of chats without tools
     for i, r in enumerate(requests):
         if r.prompt_token_ids is not None:
             ids[i] = list(r.prompt_token_ids)
         elif r.messages is not None:
             try:
                 _check_template_shows_tool_calls(tokenizer, r.messages)
-                chats.append((i, tokenizer.apply_chat_template(
-                    r.messages, tools=r.tools, tokenize=False, add_generation_prompt=True,
-                    **template_options(getattr(r, "reasoning_effort", None)))))
-            except Exception as e:   # a bad template or message fails its request only
+            except Exception as e:   # a bad message fails its request only
                 ids[i] = e
+                continue
+            if r.tools is None:
+                plain_chats.setdefault(getattr(r, "reasoning_effort", None), []).append(i)
+            else:
+                chats.append(_rendered_or_error(tokenizer, i, r.messages, r.tools, getattr(r, "reasoning_effort", None),
+                                                 ids))
         else:
             raw.append((i, r.prompt))
+    for effort, indexes in plain_chats.items():
+        chats.extend(_rendered_together(tokenizer, indexes, [requests[i].messages for i in indexes], effort, ids))
+    chats = [chat for chat in chats if chat is not None]
     for texts, special in ((raw, True), (chats, False)):
         if not texts:
             continue
@@ -66,6 +73,30 @@ def vocabulary_error(ids: Sequence[int], vocab_size: int) -> str | None:
     if ids and max(ids) >= vocab_size:
         return f"token id {max(ids)} is not in the model's vocabulary (ids 0 to {vocab_size - 1})"
     return None
+
+
+def _rendered_together(tokenizer, indexes: list[int], conversations: list[list[dict]], effort: str | None,
+                       ids: list) -> list[tuple[int, str] | None]:
+    """Chats without tools, rendered in one call of the chat template (the library's batch:
+    its per-call work is paid once, 30 -> 20 us a SmolLM2 chat); where that fails, one at a
+    time, so that a bad message fails its own request only."""
+    try:
+        texts = tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True,
+                                              **template_options(effort))
+    except Exception:
+        return [_rendered_or_error(tokenizer, i, c, None, effort, ids) for i, c in zip(indexes, conversations)]
+    return list(zip(indexes, texts))
+
+
+def _rendered_or_error(tokenizer, i: int, messages: list[dict], tools: list[dict] | None, effort: str | None,
+                       ids: list) -> tuple[int, str] | None:
+    """(i, the chat rendered alone), or None with the error that fails it in ids[i]."""
+    try:
+        return i, tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                **template_options(effort))
+    except Exception as e:   # a bad template or message fails its request only
+        ids[i] = e
+        return None
 
 
 def _encoded_or_error(tokenizer, text: str, special: bool) -> list[int] | Exception:

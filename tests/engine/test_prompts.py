@@ -54,6 +54,29 @@ def test_a_request_that_cannot_be_tokenized_fails_alone(bundled_model_dir):
     assert ids[0] == alone(tokenizer, requests[0]) and ids[2] == alone(tokenizer, requests[2])
 
 
+def test_chats_rendered_together_keep_their_own_place_and_options(bundled_model_dir):
+    """Chats without tools are rendered in one template call per reasoning_effort: interleaved
+    with the rest, each still gets the ids it gets alone, and a bad one fails alone."""
+    tokenizer = load_tokenizer(bundled_model_dir)
+    requests = []
+    for i in range(9):
+        chat = [{"role": "user", "content": f"question {i}: " + "word " * i}]
+        requests.append(Request(f"c{i}", messages=chat, reasoning_effort=[None, "none", "high"][i % 3]))
+        if i % 4 == 0:
+            requests.append(Request(f"raw{i}", prompt=f"raw {i}"))
+    requests.insert(5, Request("bad", messages=[{"role": "user"}]))   # no content: its template call raises
+    ids = prompts_token_ids(tokenizer, requests)
+    assert isinstance(ids[5], Exception)
+    for r, got in zip(requests, ids):
+        if r.id == "bad":
+            continue
+        want = prompt_token_ids(tokenizer, prompt=r.prompt, messages=r.messages,
+                                reasoning_effort=r.reasoning_effort)
+        assert got == want, r.id
+        if r.messages is not None:
+            assert tokenizer.decode(got).count(r.messages[0]["content"].strip()) == 1, r.id
+
+
 def test_engine_adds_a_batch_as_it_adds_one_at_a_time(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_gib=0.05))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
