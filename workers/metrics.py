@@ -25,6 +25,7 @@ node name (worker="<node>-gpu<N>"); nothing is shared between them, and the supe
 """
 from __future__ import annotations
 
+import collections
 import functools
 import glob
 import logging
@@ -113,11 +114,14 @@ def count_results(rows: list[dict], model: str | None) -> None:
     totals = shard_totals(rows)
     for name, counter in TOKEN_COUNTERS.items():
         counter.labels(*labels).inc(totals[name])
+    # Each series looked up once a shard, not once a row (a labels() call takes a lock and a lookup).
+    for reason, count in collections.Counter(str(row["finish_reason"]) for row in rows).items():
+        REQUESTS.labels(*labels, reason).inc(count)
+    ttft, latency = TIME_TO_FIRST_TOKEN.labels(*labels), REQUEST_LATENCY.labels(*labels)
     for row in rows:
-        REQUESTS.labels(*labels, str(row["finish_reason"])).inc()
         if row["ttft_s"] is not None:   # it ran and produced tokens (not an error, not cancelled unstarted)
-            TIME_TO_FIRST_TOKEN.labels(*labels).observe(row["ttft_s"])
-            REQUEST_LATENCY.labels(*labels).observe(row["latency_s"])
+            ttft.observe(row["ttft_s"])
+            latency.observe(row["latency_s"])
 
 
 def count_usage(usage, model: str | None) -> None:

@@ -3,9 +3,10 @@ pipeline.request.Request): a line's sampling settings by SamplingParams' field n
 engine request per prompt of a several-prompt line, one per input of an embedding line."""
 from __future__ import annotations
 
-from dataclasses import fields
+from operator import attrgetter
 
 from jobs.input.line_checks import RequestSpec
+from jobs.input.request_spec import SAMPLING_FIELDS
 from pipeline.pooling_params import PoolingParams
 from pipeline.request import Request
 from pipeline.sampling_params import SamplingParams
@@ -24,9 +25,14 @@ def prompt_requests(spec: RequestSpec, timeout_s: float | None = None) -> list[R
                      timeout_s) for i, item in enumerate(spec.prompts)]
 
 
+# Every sampling setting a shard line carries: SamplingParams' fields but request_spec.ENGINE_ONLY,
+# read at once (in C: this runs for every line of every shard).
+_SAMPLING_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
+_sampling_values = attrgetter(*_SAMPLING_NAMES)
+
+
 def _request(spec: RequestSpec, request_id: str, prompt: dict, timeout_s: float | None) -> Request:
-    # Every sampling setting a shard line carries: SamplingParams' fields but request_spec.ENGINE_ONLY.
-    params = SamplingParams(**{f.name: getattr(spec, f.name) for f in fields(SamplingParams) if hasattr(spec, f.name)},
+    params = SamplingParams(**dict(zip(_SAMPLING_NAMES, _sampling_values(spec))),
                             prompt_logprobs=spec.logprobs if spec.echo else None)   # echo: the prompt's too
     return Request(request_id, **prompt, params=params, timeout_s=spec.timeout_s or timeout_s, tools=spec.tools,
                    reasoning_effort=spec.reasoning_effort)
