@@ -31,7 +31,8 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
     The texts go to the tokenizer in one call per kind (raw prompts, rendered chats): a
     fast tokenizer encodes a batch in Rust threads with the GIL released, where one text at
     a time holds the GIL and pays the wrapper's Python each time (a W1 prompt: 270 us
-    alone, 230 in fours, 170 in sixteens on two cores)."""
+    alone, 230 in fours, 170 in sixteens on two cores). Likewise the chats without tools
+    go through the chat template in one call per reasoning_effort (_rendered_together)."""
     ids: list[list[int] | Exception | None] = [None] * len(requests)
     raw, chats = [], []   # (index, text): encoded with special tokens, and without
     plain_chats: dict[str | None, list[int]] = {}   # reasoning_effort -> indexes of chats without tools
