@@ -72,16 +72,23 @@ def test_bfloat16_runs(tiny_model_dir):
 def test_quantized_tiny_model_generates(tiny_model_dir, mode, layer, weight_dtype, dtype):
     engine = Engine(EngineConfig(device="cpu", model=str(tiny_model_dir), quantization=mode, num_kv_blocks=64,
                                  dtype=str(dtype).removeprefix("torch.")))
-    # Right after construction, before any forward: quantized, in eval mode.
+    # Right after construction: quantized, in eval mode. Construction may have run forwards:
+    # batch invariance measures each linear shape at load unless its cache already knows the
+    # shape. bitsandbytes' first forward moves int8's scales from the weight into the layer's
+    # state, and repacks nf4 for its CPU kernel (its quant_state then says bfloat16 and keeps
+    # the dtype it was quantized from as original_dtype); both hold either way.
     for linear in (engine.model.model.layers[0].self_attn.qkv_proj, engine.model.model.layers[1].mlp.down_proj):
         linear = linear.inner   # inside the batch-invariant wrapper (pipeline/layers/batch_invariant.py)
         assert type(linear).__name__ == layer
         assert linear.weight.dtype == weight_dtype          # really quantized, not just swapped
         assert not linear.training
         if mode == "nf4":   # quantized from the model's own dtype, not via float16
-            assert linear.weight.quant_state.dtype == dtype and linear.compute_dtype == dtype
+            state = linear.weight.quant_state
+            packed = getattr(state, "packing_format_for_cpu", False)
+            assert (state.original_dtype if packed else state.dtype) == dtype and linear.compute_dtype == dtype
         else:
-            assert linear.weight.SCB is not None and linear.weight.CB is not None
+            scales = linear.weight.SCB if linear.weight.SCB is not None else linear.state.SCB
+            assert scales is not None and scales.shape == (linear.out_features,)
     assert engine.model.lm_head.weight.dtype == dtype
     outs = run(engine, [Request("q", prompt_token_ids=PROMPT, params=greedy(8, ignore_eos=True)),
                         Request("r", prompt="Hello", params=sampled(1, max_tokens=5))])
