@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from jobs.settings import LOG_FORMATS, Settings, default, env_var
+from jobs.settings import LOG_FORMATS, Settings, default, env_var, tokenizer_processes
 from pipeline.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                              SPECULATIVE_METHODS, EngineConfig)
 
@@ -29,6 +29,17 @@ class FiniteFloat(click.FloatRange):
         return rv
 
 
+class TokenizerProcesses(click.ParamType):
+    """--tokenizer-processes: "auto" or a whole number >= 0 (jobs.settings.tokenizer_processes)."""
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        try:
+            return tokenizer_processes(value)
+        except ValueError:
+            self.fail(f'{value!r} is neither "auto" nor a whole number >= 0', param, ctx)
+
+
 _SETTING_OPTIONS = {
     "data_dir": dict(decls=("--data-dir",), type=click.Path(file_okay=False), show_default=True,
                      help="Where job inputs and results live."),
@@ -40,9 +51,10 @@ _SETTING_OPTIONS = {
     "shards_in_flight": dict(decls=("--shards-in-flight",), type=click.IntRange(min=1), show_default=True,
                              help="Most shards one engine runs at once, sharing its batches (each starts "
                                   "once the batch has room), so that it never runs dry between shards."),
-    "tokenizer_processes": dict(decls=("--tokenizer-processes",), type=click.IntRange(min=0), show_default=True,
+    "tokenizer_processes": dict(decls=("--tokenizer-processes",), type=TokenizerProcesses(), show_default=True,
                                 help="Processes that render and encode the next prompts beside the engine (for a "
-                                     "host feeding a fast GPU short requests); 0: the engine's thread does."),
+                                     "host feeding a fast GPU short requests); 0: the engine's thread does; "
+                                     "auto: one for an engine on a GPU, none on a CPU."),
     "metrics_port": dict(decls=("--metrics-port",), type=click.IntRange(0, 65535), metavar="PORT",
                          help="Serve Prometheus metrics at http://<host>:PORT/metrics while it runs  [default: off]"),
     "log_format": dict(decls=("--log-format",), type=click.Choice(LOG_FORMATS), show_default=True,

@@ -47,8 +47,9 @@ class Settings:
     shards_in_flight: int = _setting("PIPELINE_SHARDS_IN_FLIGHT", 8)
     # Processes that tokenize the prompts of an engine's shards (pipeline.engine.tokenizer_pool),
     # beside the engine; 0: its loop thread does, between steps. A chat template renders under
-    # the GIL, so a host feeding a fast GPU short requests wants them.
-    tokenizer_processes: int = _setting("PIPELINE_TOKENIZER_PROCESSES", 0)
+    # the GIL, so a host feeding a fast GPU short requests wants them. "auto": one for an
+    # engine on a GPU, none on a CPU (pipeline.engine.engine_loop.AUTO_TOKENIZER_PROCESSES).
+    tokenizer_processes: int | str = _setting("PIPELINE_TOKENIZER_PROCESSES", "auto")
     # The engines a worker serves: a JSON list of engine-option objects (EngineConfig
     # fields), e.g. '[{"model": "/models/a"}]'; empty: the default engine. `pipeline worker
     # --model DIR ...` sets it for the worker it starts. Validated as EngineConfig by the worker (workers.app).
@@ -86,6 +87,7 @@ class Settings:
             raise ValueError(f"PIPELINE_COST_PER_HOUR must be a finite number >= 0, got {self.cost_per_hour}")
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
+        object.__setattr__(self, "tokenizer_processes", tokenizer_processes(self.tokenizer_processes))
         self.served_engine_options()   # a malformed PIPELINE_WORKER_ENGINES fails here, at start-up
         for f in fields(self):
             value = getattr(self, f.name)
@@ -132,6 +134,19 @@ class Settings:
             if raw:
                 values[f.name] = _parse(f.default, raw)
         return cls(**{**values, **overrides})
+
+
+def tokenizer_processes(value: int | str) -> int | str:
+    """PIPELINE_TOKENIZER_PROCESSES as the engine loop takes it: "auto", or a count >= 0."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if count < 0 or isinstance(value, (bool, float)):
+        raise ValueError(f'PIPELINE_TOKENIZER_PROCESSES must be "auto" or a whole number >= 0, got {value!r}')
+    return count
 
 
 def env_var(name: str) -> str:

@@ -66,7 +66,7 @@ class EngineCache:
     """
 
     def __init__(self, served: list[dict] | tuple = (), has_work: Callable[[str], bool] | None = None,
-                 switch_after_s: float = 10.0, tokenizer_processes: int = 0):
+                 switch_after_s: float = 10.0, tokenizer_processes: int | str = 0):
         self._served_options = list(served)
         self._served = {engine_key(options): EngineConfig(**options) for options in served}
         self._has_work, self._switch_after_s = has_work, switch_after_s

@@ -71,7 +71,7 @@ def cancelled_on_interrupt(Session: sessionmaker[Session], root, job_id: str) ->
 
 
 def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_options: dict,
-                 tokenizer_processes: int = 0) -> EngineCache:
+                 tokenizer_processes: int | str = 0) -> EngineCache:
     """Build the job's engine; a model that cannot load fails the job (EngineDidNotStart), not each shard."""
     engines = EngineCache(tokenizer_processes=tokenizer_processes)
     try:
@@ -86,7 +86,7 @@ def start_engine(Session: sessionmaker[Session], root, job_id: str, engine_optio
 def run_job(Session: sessionmaker[Session], root, job_id: str, engine_options: dict, *, shards_in_flight: int,
             lease_s: float, on_result: Callable[[dict], None] | None = None,
             on_wait: Callable[[ledger.Job, list[ledger.Shard]], None] | None = None,
-            poll_s: float = 1.0, tokenizer_processes: int = 0) -> ledger.Job:
+            poll_s: float = 1.0, tokenizer_processes: int | str = 0) -> ledger.Job:
     """Run job_id here until it ends; returns the ended job.
 
     Each pass runs the shards nobody holds (building the engine on the first that needs

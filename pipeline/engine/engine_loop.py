@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from pipeline.engine.engine import Engine
 
 POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wakes it at once)
+# Tokenizer processes by the engine's device when asked for "auto". On a GPU the host's cores
+# are free and the engine thread's Python is what caps short requests: one process takes the
+# chat templates and the encoding (35-60 us a 1-token chat line, benchmarks/short_requests.py
+# --mode engine) off it. On a CPU the forward wants every core.
+AUTO_TOKENIZER_PROCESSES = {"cuda": 1}
 
 _live_loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
 
@@ -68,7 +73,8 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine],
-                 observer: Callable[[object, float | None], None] | None = None, tokenizer_processes: int = 0):
+                 observer: Callable[[object, float | None], None] | None = None,
+                 tokenizer_processes: int | str = 0):
         """Build the engine with make_engine() in the loop's thread and start serving;
         whatever make_engine raises is raised here.
 
@@ -77,7 +83,8 @@ class EngineLoop:
         engine (metrics read it there), with the seconds that step took (None: no step).
 
         tokenizer_processes > 0: callers' prompts are tokenized in that many processes of
-        their own (pipeline.engine.tokenizer_pool), else by the loop thread between steps."""
+        their own (pipeline.engine.tokenizer_pool), else by the loop thread between steps;
+        "auto": AUTO_TOKENIZER_PROCESSES for the engine's device."""
         self._observer = observer
         self._keys = itertools.count()
         self._wake = threading.Condition()
@@ -99,6 +106,8 @@ class EngineLoop:
             raise self._build_error
         self.lookahead = self.engine.lookahead   # requests a stream keeps in the engine
         self._pool = None
+        if tokenizer_processes == "auto":
+            tokenizer_processes = AUTO_TOKENIZER_PROCESSES.get(self.engine.device.type, 0)
         if tokenizer_processes > 0:
             from pipeline.engine.tokenizer_pool import TokenizerPool
             self._pool = TokenizerPool(self.engine.model_dir, tokenizer_processes)

@@ -4,6 +4,7 @@ and a request whose chat fails to render fails alone. Real tiny model, real proc
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipeline import Engine, EngineConfig, Request
 from pipeline.engine.engine_loop import EngineLoop
@@ -72,3 +73,30 @@ def test_a_pool_whose_process_died_is_started_again(engine, tiny_model_dir):
         assert pid not in pool._pool._processes
     finally:
         pool.close()
+
+
+class _ReportsCuda:
+    """The CPU engine, saying it runs on a GPU: what "auto" reads to choose a pool."""
+    device = torch.device("cuda")
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_auto_pools_for_an_engine_on_a_gpu_only(engine, on_gpu):
+    """tokenizer_processes="auto" (the default setting): one tokenizer process for an engine on a
+    GPU, whose host's cores are free; none on a CPU. The answers are the same either way."""
+    requests = mixed_requests(30)
+    loop = EngineLoop(lambda: _ReportsCuda(engine) if on_gpu else engine, tokenizer_processes="auto")
+    try:
+        assert (loop._pool is not None) == on_gpu
+        if on_gpu:
+            assert loop._pool._processes == 1
+        pooled = {o.id: o.token_ids for o in loop.generate(requests)}
+    finally:
+        loop.close()
+    assert pooled == {o.id: o.token_ids for o in engine.generate(requests)}
