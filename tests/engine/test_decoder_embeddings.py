@@ -149,3 +149,24 @@ def test_pooling_config_is_read_from_sentence_transformers_files(tmp_path, tiny_
     (bad / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="pooling_mode_max_tokens is not supported"):
         read_pooling_config(bad, decoder=True)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_batch_of_vectors_becomes_lists_as_each_would_alone(normalize):
+    """as_lists cuts and normalises a batch whose vectors keep the same dimensions as one
+    matrix: the same bits as a row at a time, whatever the batch; mixed dimensions too."""
+    from pipeline.layers.pooler import as_lists
+
+    def alone(vector, d):
+        row = vector[:d]
+        return (F.normalize(row, dim=0) if normalize else row).tolist()
+
+    torch.manual_seed(0)
+    vectors = torch.randn(37, 384) * 3
+    for rows in (1, 2, 37):
+        for d in (None, 64):
+            want = [alone(v, d) for v in vectors[:rows]]
+            assert as_lists(vectors[:rows], [d] * rows, normalize) == want
+            assert as_lists(list(vectors[:rows]), [d] * rows, normalize) == want
+    mixed = [None, 64, 16, None]
+    assert as_lists(list(vectors[:4]), mixed, normalize) == [alone(v, d) for v, d in zip(vectors[:4], mixed)]
