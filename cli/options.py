@@ -54,7 +54,7 @@ _SETTING_OPTIONS = {
     "tokenizer_processes": dict(decls=("--tokenizer-processes",), type=TokenizerProcesses(), show_default=True,
                                 help="Processes that render and encode the next prompts beside the engine (for a "
                                      "host feeding a fast GPU short requests); 0: the engine's thread does; "
-                                     "auto: one for an engine on a GPU, none on a CPU."),
+                                     "auto: one for an engine on a CUDA GPU, none on a CPU."),
     "metrics_port": dict(decls=("--metrics-port",), type=click.IntRange(0, 65535), metavar="PORT",
                          help="Serve Prometheus metrics at http://<host>:PORT/metrics while it runs  [default: off]"),
     "log_format": dict(decls=("--log-format",), type=click.Choice(LOG_FORMATS), show_default=True,

@@ -48,7 +48,7 @@ class Settings:
     # Processes that tokenize the prompts of an engine's shards (pipeline.engine.tokenizer_pool),
     # beside the engine; 0: its loop thread does, between steps. A chat template renders under
     # the GIL, so a host feeding a fast GPU short requests wants them. "auto": one for an
-    # engine on a GPU, none on a CPU (pipeline.engine.engine_loop.AUTO_TOKENIZER_PROCESSES).
+    # engine on a CUDA GPU, none on a CPU (pipeline.engine.engine_loop.AUTO_TOKENIZER_PROCESSES).
     tokenizer_processes: int | str = _setting("PIPELINE_TOKENIZER_PROCESSES", "auto")
     # The engines a worker serves: a JSON list of engine-option objects (EngineConfig
     # fields), e.g. '[{"model": "/models/a"}]'; empty: the default engine. `pipeline worker

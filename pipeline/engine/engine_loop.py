@@ -31,6 +31,8 @@ import atexit
 import collections
 import dataclasses
 import itertools
+import logging
+import multiprocessing
 import queue
 import threading
 import time
@@ -43,6 +45,8 @@ from pipeline.request import Request, RequestOutput
 if TYPE_CHECKING:
     from pipeline.engine.engine import Engine
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wakes it at once)
 # Tokenizer processes by the engine's device when asked for "auto". On a GPU the host's cores
 # are free and the engine thread's Python is what caps short requests: one process takes the
@@ -51,6 +55,19 @@ POLL_S = 0.2   # how often a waiting caller checks its should_stop (a result wak
 AUTO_TOKENIZER_PROCESSES = {"cuda": 1}
 
 _live_loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+def _tokenizer_processes(asked: int | str, device_type: str) -> int:
+    """How many tokenizer processes to start: asked ("auto": AUTO_TOKENIZER_PROCESSES), or none
+    in a daemonic process, which may not have children: a child of a prefork pool (`pipeline
+    worker --concurrency N`). Its loop thread tokenizes instead; asked for by number, it says so."""
+    processes = AUTO_TOKENIZER_PROCESSES.get(device_type, 0) if asked == "auto" else asked
+    if processes and multiprocessing.current_process().daemon:
+        if asked != "auto":
+            log.warning("tokenizer processes: a daemonic process (a prefork pool's child, `--concurrency`) "
+                        "cannot start them; the engine's thread tokenizes")
+        return 0
+    return processes
 
 
 @atexit.register
@@ -106,8 +123,7 @@ class EngineLoop:
             raise self._build_error
         self.lookahead = self.engine.lookahead   # requests a stream keeps in the engine
         self._pool = None
-        if tokenizer_processes == "auto":
-            tokenizer_processes = AUTO_TOKENIZER_PROCESSES.get(self.engine.device.type, 0)
+        tokenizer_processes = _tokenizer_processes(tokenizer_processes, self.engine.device.type)
         if tokenizer_processes > 0:
             from pipeline.engine.tokenizer_pool import TokenizerPool
             self._pool = TokenizerPool(self.engine.model_dir, tokenizer_processes)

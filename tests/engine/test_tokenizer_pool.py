@@ -100,3 +100,21 @@ def test_auto_pools_for_an_engine_on_a_gpu_only(engine, on_gpu):
     finally:
         loop.close()
     assert pooled == {o.id: o.token_ids for o in engine.generate(requests)}
+
+
+@pytest.mark.parametrize("asked", ["auto", 2])
+def test_a_daemonic_process_tokenizes_in_its_engine_thread(engine, asked, monkeypatch, caplog):
+    """A prefork pool's child (`pipeline worker --concurrency N`) is daemonic and may not start
+    processes: there the loop thread tokenizes, even on a GPU; asked for by number, it says so."""
+    import multiprocessing
+    me = multiprocessing.current_process()
+    monkeypatch.setattr(me, "_config", {**me._config, "daemon": True})
+    loop = EngineLoop(lambda: _ReportsCuda(engine), tokenizer_processes=asked)
+    try:
+        assert loop._pool is None
+        requests = mixed_requests(6)
+        assert {o.id: o.token_ids for o in loop.generate(requests)} == \
+            {o.id: o.token_ids for o in engine.generate(requests)}
+    finally:
+        loop.close()
+    assert ("cannot start them" in caplog.text) == (asked != "auto")
