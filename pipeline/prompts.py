@@ -45,7 +45,7 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
             except Exception as e:   # a bad message fails its request only
                 ids[i] = e
                 continue
-            if r.tools is None:
+            if r.tools is None and r.messages:   # (an empty chat is refused by the template called alone)
                 plain_chats.setdefault(getattr(r, "reasoning_effort", None), []).append(i)
             else:
                 chats.append(_rendered_or_error(tokenizer, i, r.messages, r.tools, getattr(r, "reasoning_effort", None),

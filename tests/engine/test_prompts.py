@@ -65,10 +65,11 @@ def test_chats_rendered_together_keep_their_own_place_and_options(bundled_model_
         if i % 4 == 0:
             requests.append(Request(f"raw{i}", prompt=f"raw {i}"))
     requests.insert(5, Request("bad", messages=[{"role": "user"}]))   # no content: its template call raises
+    requests.insert(2, Request("empty", messages=[]))   # refused by the template, as alone
     ids = prompts_token_ids(tokenizer, requests)
-    assert isinstance(ids[5], Exception)
+    assert isinstance(ids[2], Exception) and isinstance(ids[6], Exception)
     for r, got in zip(requests, ids):
-        if r.id == "bad":
+        if r.id in ("bad", "empty"):
             continue
         want = prompt_token_ids(tokenizer, prompt=r.prompt, messages=r.messages,
                                 reasoning_effort=r.reasoning_effort)
