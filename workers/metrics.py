@@ -117,11 +117,13 @@ def count_results(rows: list[dict], model: str | None) -> None:
     # Each series looked up once a shard, not once a row (a labels() call takes a lock and a lookup).
     for reason, count in collections.Counter(str(row["finish_reason"]) for row in rows).items():
         REQUESTS.labels(*labels, reason).inc(count)
-    ttft, latency = TIME_TO_FIRST_TOKEN.labels(*labels), REQUEST_LATENCY.labels(*labels)
-    for row in rows:
-        if row["ttft_s"] is not None:   # it ran and produced tokens (not an error, not cancelled unstarted)
-            ttft.observe(row["ttft_s"])
-            latency.observe(row["latency_s"])
+    # Rows that ran and produced tokens (not an error, not cancelled unstarted); none: no series made.
+    timed = [(row["ttft_s"], row["latency_s"]) for row in rows if row["ttft_s"] is not None]
+    if timed:
+        ttft, latency = TIME_TO_FIRST_TOKEN.labels(*labels), REQUEST_LATENCY.labels(*labels)
+        for ttft_s, latency_s in timed:
+            ttft.observe(ttft_s)
+            latency.observe(latency_s)
 
 
 def count_usage(usage, model: str | None) -> None:

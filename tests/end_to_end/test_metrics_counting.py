@@ -66,6 +66,22 @@ def test_run_shard_counts_only_what_it_commits(Session, data_root, tmp_path, eng
     assert in_process("pipeline_shards_in_flight", worker=HOST) == 0
 
 
+def test_a_shard_of_only_errors_counts_them_and_makes_no_timing_series():
+    """count_results on a shard whose rows never produced a token: its requests are counted by
+    finish reason, and no time-to-first-token or latency series appears for a model that has
+    none (an empty series would read as a model that answered nothing)."""
+    from jobs.results.result_row import error_rows
+    from jobs.input.request_spec import RequestSpec
+
+    model = f"/models/errors-only-{uuid.uuid4().hex[:8]}"
+    label = metrics.model_label(model)
+    specs = [RequestSpec(id=f"e{i}", line=i + 1, prompt="Hi", messages=None) for i in range(3)]
+    metrics.count_results(error_rows(specs, "boom", 0, 1), model)
+    assert in_process("pipeline_requests_total", model=label, worker=HOST, finish_reason="error") == 3
+    for name in ("pipeline_time_to_first_token_seconds_count", "pipeline_request_latency_seconds_count"):
+        assert metrics.REGISTRY.get_sample_value(name, {"model": label, "worker": HOST}) is None
+
+
 def test_the_reaper_counts_the_shards_it_gives_up(Session, data_root, tmp_path):
     from workers.recovery import recover
 
