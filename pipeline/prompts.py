@@ -45,11 +45,11 @@ def prompts_token_ids(tokenizer, requests: Sequence) -> list[list[int] | Excepti
             except Exception as e:   # a bad message fails its request only
                 ids[i] = e
                 continue
+            effort = getattr(r, "reasoning_effort", None)
             if r.tools is None and r.messages:   # (an empty chat is refused by the template called alone)
-                plain_chats.setdefault(getattr(r, "reasoning_effort", None), []).append(i)
+                plain_chats.setdefault(effort, []).append(i)
             else:
-                chats.append(_rendered_or_error(tokenizer, i, r.messages, r.tools, getattr(r, "reasoning_effort", None),
-                                                 ids))
+                chats.append(_rendered_or_error(tokenizer, i, r.messages, r.tools, effort, ids))
         else:
             raw.append((i, r.prompt))
     for effort, indexes in plain_chats.items():
