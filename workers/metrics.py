@@ -108,10 +108,11 @@ def model_label(model: str | None) -> str:
 
 # ---- what the shards did -------------------------------------------------------------------
 
-def count_results(rows: list[dict], model: str | None) -> None:
-    """A shard's result rows, just committed to the ledger."""
+def count_results(rows: list[dict], model: str | None, totals: dict[str, int] | None = None) -> None:
+    """A shard's result rows, just committed to the ledger (totals: their shard_totals, if made)."""
     labels = (model_label(model), _worker)
-    totals = shard_totals(rows)
+    if totals is None:
+        totals = shard_totals(rows)
     for name, counter in TOKEN_COUNTERS.items():
         counter.labels(*labels).inc(totals[name])
     # Each series looked up once a shard, not once a row (a labels() call takes a lock and a lookup).

@@ -142,16 +142,18 @@ def run_shard(
             paths.tmp_result(index, attempt).unlink(missing_ok=True)
             return ShardOutcome.RELEASED if released else ShardOutcome.LOST
         usage = energy.charge_shard(job_id, index)   # its joules, device-seconds, cost: written by the commit
+        totals = result_row.shard_totals(rows)   # once, for the ledger and the metrics
         try:
             committed = commit_rows(Session, paths, job_id, index, attempt, rows, status,
-                                    answers=answers_of(specs, rows), usage=asdict(usage) if usage else None)
+                                    answers=answers_of(specs, rows), usage=asdict(usage) if usage else None,
+                                    totals=totals)
         except Exception as e:   # its cause goes on the shard, so the reaper gives it, not "stopped responding"
             cause = str(e).splitlines()[0][:500] if str(e) else ""   # a database error's first line, not its SQL
             _note_error(Session, job_id, index, attempt, f"committing the shard failed: {type(e).__name__}: {cause}")
             raise
         if not committed:
             return ShardOutcome.LOST
-        metrics.count_results(rows, job.model)
+        metrics.count_results(rows, job.model, totals)
         metrics.count_usage(usage, job.model)
     finally:
         lease.stop()

@@ -40,14 +40,17 @@ def write_shard_tmp(rows: list[dict], tmp_path: str | os.PathLike) -> None:
 
 
 def commit_rows(Session, paths: JobPaths, job_id: str, index: int, attempt: int, rows: list[dict], status: str,
-                answers=(), tmp_path: str | os.PathLike | None = None, usage: dict | None = None) -> bool:
+                answers=(), tmp_path: str | os.PathLike | None = None, usage: dict | None = None,
+                totals: dict[str, int] | None = None) -> bool:
     """Commit an attempt's rows as shard `index` (ledger.commit_shard: the fenced ledger update,
     with the attempt's usage if it was charged, the rename, the answers indexed); False when the
-    attempt lost its lease."""
+    attempt lost its lease. totals: result_row.shard_totals(rows) when the caller made it already."""
     tmp = tmp_path or paths.tmp_result(index, attempt)
     write_shard_tmp(rows, tmp)
+    if totals is None:
+        totals = result_row.shard_totals(rows)
     with Session() as s:
-        return ledger.commit_shard(s, job_id, index, attempt, totals=result_row.shard_totals(rows), tmp_path=tmp,
+        return ledger.commit_shard(s, job_id, index, attempt, totals=totals, tmp_path=tmp,
                                    final_path=paths.result_shard(index), status=status, answers=answers,
                                    usage=usage)
 
