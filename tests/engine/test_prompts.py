@@ -7,7 +7,7 @@ import pytest
 
 from pipeline import Engine, EngineConfig, Request, SamplingParams
 from pipeline.models.loader import load_tokenizer
-from pipeline.prompts import prompt_token_ids, prompts_token_ids
+from pipeline.prompts import _rust_backend, encoded_texts, prompt_token_ids, prompts_token_ids
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -43,6 +43,44 @@ def test_a_batch_gives_each_request_the_ids_it_gets_alone(model, bundled_model_d
     together = prompts_token_ids(tokenizer, requests)
     assert together == [alone(tokenizer, r) for r in requests]
     assert prompts_token_ids(tokenizer, []) == []
+
+
+TRICKY_TEXTS = ["The capital of France is", "", "  leading spaces\tand\nlines ", "é ☃ 中文 naïve",
+                "<|im_start|>user\nhi<|im_end|>", "[CLS] a [SEP] [MASK] b", "word " * 300]
+
+
+@pytest.mark.parametrize("model", ["bundled", "minilm"])
+@pytest.mark.parametrize("split_special", [False, True])
+def test_texts_encoded_at_the_rust_backend_get_the_librarys_ids(model, split_special, bundled_model_dir, minilm_dir):
+    """encoded_texts calls a fast tokenizer's Rust backend itself: the ids are the library's,
+    on a tokenizer fresh from its files (all-MiniLM-L6-v2's tokenizer.json pads and truncates
+    to 128, which the library turns off per call), special tokens split or not."""
+    model_dir = bundled_model_dir if model == "bundled" else minilm_dir
+    fresh, reference = load_tokenizer(model_dir), load_tokenizer(model_dir)
+    assert _rust_backend(type(fresh))
+    if model == "minilm":
+        assert fresh.backend_tokenizer.padding is not None and fresh.backend_tokenizer.truncation is not None
+    fresh.split_special_tokens = reference.split_special_tokens = split_special
+    for special in (True, False):
+        got = encoded_texts(fresh, TRICKY_TEXTS, special)
+        assert got == reference(TRICKY_TEXTS, add_special_tokens=special)["input_ids"]
+        assert len(got[-1]) >= 300 and len(got[1]) == (2 if special and model == "minilm" else 0)
+    special_token, text = ("<|im_start|>", 4) if model == "bundled" else ("[MASK]", 5)
+    assert (reference.convert_tokens_to_ids(special_token) not in got[text]) == split_special   # or its pieces
+
+
+def test_a_tokenizer_with_its_own_encoding_is_called_as_the_library_calls_it(minilm_dir):
+    """A tokenizer class that changes how texts are encoded keeps its own way: not the backend's."""
+    tokenizer = load_tokenizer(minilm_dir)
+
+    class Signed(type(tokenizer)):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus([t + " signed" for t in text], *args, **kwargs)
+
+    signed = encoded_texts(tokenizer, ["hello world signed"], False)
+    tokenizer.__class__ = Signed
+    assert not _rust_backend(Signed)
+    assert encoded_texts(tokenizer, ["hello world"], False) == signed
 
 
 def test_a_request_that_cannot_be_tokenized_fails_alone(bundled_model_dir):
