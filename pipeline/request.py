@@ -53,7 +53,8 @@ class Request:
     reasoning_effort: str | None = None
 
     def __post_init__(self):
-        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        # (added up without a generator: every request is made twice, by its shard and by the engine loop)
+        given = (self.prompt is not None) + (self.messages is not None) + (self.prompt_token_ids is not None)
         if given != 1:
             raise ValueError(f"request {self.id!r}: give exactly one of prompt, messages, prompt_token_ids")
         if self.timeout_s is not None and not self.timeout_s > 0:

@@ -79,7 +79,8 @@ def _close_live_loops() -> None:
 class _Stream:
     def __init__(self, key: int):
         self.key = key
-        self.results: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        # A round's results for this stream come as one list (one lock and one wake-up a round, not a result).
+        self.results: queue.Queue[list[RequestOutput] | BaseException] = queue.Queue()
         # internal id in the engine -> its choices not finished yet (loop thread only)
         self.live_ids: dict[str, int] = {}
 
@@ -209,17 +210,18 @@ class EngineLoop:
                 if should_stop is not None and should_stop():
                     return
                 try:
-                    item = stream.results.get(timeout=POLL_S)
+                    outs = stream.results.get(timeout=POLL_S)
                 except queue.Empty:
                     if self._crashed is not None:
                         raise RuntimeError("the engine loop stopped") from self._crashed
                     if self._closed and not self._thread.is_alive():
                         raise RuntimeError("the engine loop was closed")
                     continue
-                if isinstance(item, BaseException):
-                    raise item
-                in_flight -= 1
-                yield item
+                if isinstance(outs, BaseException):
+                    raise outs
+                for out in outs:
+                    in_flight -= 1
+                    yield out
         finally:
             with self._wake:
                 del self._streams[stream.key]
@@ -279,11 +281,13 @@ class EngineLoop:
             inbox = [item for item in inbox if item[0].key not in aborted]
             requests = [request for _, request, _ in inbox]
             token_ids = [ids for *_, ids in inbox] if self._pool is not None else None   # None: tokenized here
+            refused: dict[_Stream, list[RequestOutput]] = {}
             for (stream, request, _), errors in zip(inbox, engine.add_requests(requests, token_ids)):
                 if not errors:
                     stream.live_ids[request.id] = request.params.n
-                for error in errors:
-                    self._deliver(stream, error)
+                else:
+                    refused.setdefault(stream, []).extend(errors)
+            self._deliver(refused)
             if not engine.has_unfinished_requests:
                 continue
             started = time.perf_counter()
@@ -293,22 +297,28 @@ class EngineLoop:
                 self._fail_all(e)
                 continue
             step_s = time.perf_counter() - started
-            for out in finished:
-                stream = self._streams_by_internal_id(out.id)
-                if stream is not None:
-                    left = stream.live_ids.pop(out.id, 1) - 1
-                    if left:
-                        stream.live_ids[out.id] = left
-                    self._deliver(stream, out)
+            self._deliver(self._by_stream(finished))
 
-    def _streams_by_internal_id(self, internal_id: str) -> _Stream | None:
+    def _by_stream(self, finished: list[RequestOutput]) -> dict[_Stream, list[RequestOutput]]:
+        """A step's finished outputs by the live stream they belong to (a stream gone meanwhile gets none)."""
         with self._wake:
-            return self._streams.get(int(internal_id.split(":", 1)[0]))
+            streams = self._streams.copy()
+        outs: dict[_Stream, list[RequestOutput]] = {}
+        for out in finished:
+            stream = streams.get(int(out.id.split(":", 1)[0]))
+            if stream is not None:
+                left = stream.live_ids.pop(out.id, 1) - 1
+                if left:
+                    stream.live_ids[out.id] = left
+                outs.setdefault(stream, []).append(out)
+        return outs
 
     @staticmethod
-    def _deliver(stream: _Stream, out: RequestOutput) -> None:
-        out.id = out.id.split(":", 1)[1]   # the engine made it for this delivery alone: no copy
-        stream.results.put(out)
+    def _deliver(outs: dict[_Stream, list[RequestOutput]]) -> None:
+        for stream, results in outs.items():
+            for out in results:
+                out.id = out.id.split(":", 1)[1]   # the engine made it for this delivery alone: no copy
+            stream.results.put(results)
 
     def _fail_all(self, error: BaseException) -> None:
         """Drop every live request (the engine may have dropped them already) and tell
