@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--engine-args", default="", help='more engine options, e.g. "--max-num-seqs 256"')
+    ap.add_argument("--worker-args", default="", help='options of `pipeline worker` alone, e.g. "--concurrency 2"')
     ap.add_argument("--profile", type=Path, help="py-spy the worker during the last round; summary to this file")
     args = ap.parse_args()
 
@@ -216,7 +217,8 @@ def main() -> None:
     worker = None
     if args.mode == "worker":
         log = open(tmp / "worker.log", "wb")
-        worker = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--loglevel", "warning", *engine_args],
+        worker = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--loglevel", "warning", *engine_args,
+                                   *args.worker_args.split()],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
         warm = write_lines(args.kind, 8, tmp / "warm.jsonl")
         cli("submit", str(warm), "--wait", "--no-reuse", *engine_args, env=env)

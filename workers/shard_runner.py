@@ -37,7 +37,7 @@ from jobs.results.parquet_files import commit_rows
 from jobs.reuse.stored_answers import answers_of, stored_answers
 from jobs.scheduling import expired_error
 from jobs.several_models import shard_job
-from jobs.input.shard_files import read_shard
+from jobs.input.shard_files import read_shard_lines
 from jobs.input.line_checks import RequestSpec
 from workers import energy, logs, metrics
 from workers.shard_requests import embedding_requests, prompt_requests, to_request
@@ -109,11 +109,14 @@ def run_shard(
     paths = JobPaths(root, job_id)
     last_attempt = attempt - shard.releases >= max_attempts
     try:
-        specs = read_input(paths, index)
+        lines = read_input_lines(paths, index)
     except InputUnreadable as e:
         return _fail_unreadable(Session, root, job_id, index, attempt, e, last_attempt)
-    for spec in specs:   # every row carries its key (lineage); a first submit made none (jobs.reuse.stored_answers)
-        spec.key = request_key(spec.to_dict(), job.engine_fingerprint, job.answer_scope)
+    specs = [RequestSpec.from_dict(line) for line in lines]
+    # Every row carries its key (lineage), made of its line as the submit's lookup makes it
+    # (jobs.reuse.stored_answers); a first submit made none.
+    for spec, line in zip(specs, lines):
+        spec.key = request_key(line, job.engine_fingerprint, job.answer_scope)
     lease = _LeaseKeeper(Session, job_id, index, attempt, lease_s)
     try:
         reused = _reused_rows(Session, root, job, specs, index, attempt, on_result)
@@ -166,11 +169,16 @@ class InputUnreadable(OSError):
 
 
 def read_input(paths: JobPaths, index: int) -> list[RequestSpec]:
-    """The requests of input shard `index`; InputUnreadable names the file and the data
+    """The requests of input shard `index` (read_input_lines)."""
+    return [RequestSpec.from_dict(line) for line in read_input_lines(paths, index)]
+
+
+def read_input_lines(paths: JobPaths, index: int) -> list[dict]:
+    """The lines of input shard `index`; InputUnreadable names the file and the data
     directory when they are not there (an unmounted share, another PIPELINE_DATA_DIR)."""
     path = paths.input_shard(index)
     try:
-        return read_shard(path)
+        return read_shard_lines(path)
     except (OSError, ValueError) as e:
         where = (f"the job's directory {paths.dir} does not exist: is {paths.root} the data directory "
                  f"the job was submitted with (PIPELINE_DATA_DIR, a shared filesystem every worker mounts)?"

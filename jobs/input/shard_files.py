@@ -112,7 +112,14 @@ def write_retry_shards(old: JobPaths, num_shards: int, wanted: Callable[[str], b
     return write_shards(lines(), shard_dir, shard_size)
 
 
-def read_shard(path) -> list[RequestSpec]:
-    """The requests of one shard file (read by msgspec, which wrote them: 0.8 us a chat line against json's 3.5)."""
+def read_shard_lines(path) -> list[dict]:
+    """The lines of one shard file as written, each its request's RequestSpec.to_dict(): what a
+    request's answer key is made of (jobs.reuse.answer_key), the submit's and the worker's alike.
+    Read by msgspec, which wrote them: 0.8 us a chat line against json's 3.5."""
     with open(path, "rb") as f:
-        return [RequestSpec.from_dict(_decode(line)) for line in f if line.strip()]
+        return [_decode(line) for line in f if line.strip()]
+
+
+def read_shard(path) -> list[RequestSpec]:
+    """The requests of one shard file."""
+    return [RequestSpec.from_dict(line) for line in read_shard_lines(path)]

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import msgspec
-
 from jobs import ledger
 from jobs.results import result_row
 from jobs.ledger import ShardStatus
 from jobs.paths import JobPaths
 from jobs.reuse.answer_key import request_key
 from jobs.input.request_spec import RequestSpec
+from jobs.input.shard_files import read_shard_lines
 from jobs.ledger.statuses import SUBMITTER
 from pipeline.request import FinishReason
 
 
 _SUBMIT_LEASE_S = 600
-_decode = msgspec.json.Decoder().decode
 
 
 def answer_at_submit(Session, root, job) -> list[int]:
@@ -58,10 +56,9 @@ def answer_at_submit(Session, root, job) -> list[int]:
         if fingerprint_of[index] not in known:
             left.append(index)
             continue
-        # Keys from the shard's lines as they are (a line is its RequestSpec.to_dict()): the
-        # requests themselves are made only for a shard that is answered whole.
-        with open(paths.input_shard(index), "rb") as f:
-            lines = [_decode(line) for line in f if line.strip()]
+        # Keys from the shard's lines as they are, as a worker makes them: the requests
+        # themselves are made only for a shard that is answered whole.
+        lines = read_shard_lines(paths.input_shard(index))
         keys = [request_key(line, fingerprint_of[index], job.answer_scope) for line in lines]
         found = _found_all(Session, job.id, keys)
         if found is None:

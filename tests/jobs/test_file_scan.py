@@ -137,9 +137,9 @@ def test_equal_digests_of_different_ids_are_not_duplicates(monkeypatch):
 
 
 def test_a_shard_line_as_written_is_its_requests_dict_so_both_give_one_key(tmp_path):
-    """The submit keys a rerun's lines straight from the shard file (jobs.reuse.stored_answers.answer_at_submit)
-    and a worker from the RequestSpec it reads (spec.to_dict()): both must be the same dict, for
-    every shape of line, or a stored answer would be found by one and missed by the other."""
+    """The submit keys a rerun's lines straight from the shard file (jobs.reuse.stored_answers) and
+    so does a worker (workers.shard_runner): a line as written must be its RequestSpec's to_dict(),
+    for every shape of line, so that the key is the request's whoever reads it."""
     from jobs.reuse.answer_key import request_key
     from jobs.input.request_spec import RequestSpec
 
