@@ -92,14 +92,15 @@ def encoded_texts(tokenizer, texts: list[str], special: bool) -> list[list[int]]
 @functools.cache
 def _rust_backend(cls: type) -> bool:
     """Whether tokenizer class cls encodes a batch of texts exactly as transformers'
-    PreTrainedTokenizerFast does: one of it whose calls no subclass changes, with no
-    source/target modes (a translation tokenizer's language tokens)."""
+    PreTrainedTokenizerFast does: one of it whose calls no subclass changes, source/target
+    modes included (a translation tokenizer's language tokens; transformers 4 gives every
+    tokenizer an empty _switch_to_input_mode, 5 none)."""
     from transformers import PreTrainedTokenizerFast
 
-    if not issubclass(cls, PreTrainedTokenizerFast) or hasattr(cls, "_switch_to_input_mode"):
+    if not issubclass(cls, PreTrainedTokenizerFast):
         return False
     calls = ("__call__", "_call_one", "encode_plus", "batch_encode_plus", "_encode_plus", "_batch_encode_plus",
-             "set_truncation_and_padding")
+             "set_truncation_and_padding", "_switch_to_input_mode")
     return all(getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name, None) for name in calls)
 
 

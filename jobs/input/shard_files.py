@@ -113,9 +113,10 @@ def write_retry_shards(old: JobPaths, num_shards: int, wanted: Callable[[str], b
 
 
 def read_shard_lines(path) -> list[dict]:
-    """The lines of one shard file as written, each its request's RequestSpec.to_dict(): what a
-    request's answer key is made of (jobs.reuse.answer_key), the submit's and the worker's alike.
-    Read by msgspec, which wrote them: 0.8 us a chat line against json's 3.5."""
+    """The lines of one shard file as written (by the scan, each its request's
+    RequestSpec.to_dict(); a retry's are its old job's lines, copied): what a request's answer
+    key is made of (jobs.reuse.answer_key), the submit's and the worker's alike. Read by
+    msgspec, which wrote them: 0.8 us a chat line against json's 3.5."""
     with open(path, "rb") as f:
         return [_decode(line) for line in f if line.strip()]
 
