@@ -28,7 +28,7 @@ class ServerConfig:
     Session: sessionmaker[Session]
     model: str                      # the jobs' model: batch lines naming another are refused
     engine_options: dict            # recorded with every job, as `pipeline submit` records them
-    shard_size: int = 256
+    shard_size: int | str = "auto"   # lines a batch's shards hold (jobs.input.shard_sizing)
     limits: Limits = field(default_factory=Limits)
     served_names: tuple[str, ...] = ()   # --served-model-name: the names lines may use instead
     # --model given several times: [(model, its engine options)]; each line names one, and a

@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("worker", "run", "engine"), default="worker")
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--shard-size", type=int, default=256)
+    ap.add_argument("--shard-size", default="256", help='lines a shard (256), or "auto" (not with --mode engine)')
     ap.add_argument("--engine-args", default="", help='more engine options, e.g. "--max-num-seqs 256"')
     ap.add_argument("--worker-args", default="", help='options of `pipeline worker` alone, e.g. "--concurrency 2"')
     ap.add_argument("--profile", type=Path, help="py-spy the worker during the last round; summary to this file")
@@ -207,7 +207,7 @@ def main() -> None:
         for r in range(args.rounds):
             requests = engine_requests(args.kind, write_lines(args.kind, args.n, tmp / f"round{r}.jsonl"))
             print(json.dumps({"kind": args.kind, "mode": "engine", "round": r, "lines": args.n,
-                              **engine_round(engine, requests, args.shard_size)}), flush=True)
+                              **engine_round(engine, requests, int(args.shard_size))}), flush=True)
         return
     env = {**os.environ, "PIPELINE_DATA_DIR": str(tmp / "data"), "PIPELINE_QUEUE": f"bench-{uuid.uuid4().hex[:8]}"}
     env.pop("PIPELINE_DATABASE_URL", None)   # the data dir's SQLite ledger

@@ -6,7 +6,7 @@ import click
 from cli.errors import EXIT_USAGE, Fail
 from cli.dry_run import check_model
 from cli.job_commands import check_broker, sessions
-from cli.job_options import SERVED_MODEL_NAME
+from cli.job_options import SERVED_MODEL_NAME, SHARD_SIZE
 from cli.options import job_engine_options, settings_options
 from cli.several_models import job_models, several_engines
 from cli.webhooks import check_url_param
@@ -20,7 +20,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
                    "the server speaks plain HTTP, so put TLS in front of it.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @job_engine_options
-@click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@SHARD_SIZE
 @SERVED_MODEL_NAME
 # api.connections' timeouts (its defaults, given here so that `pipeline --help` imports no uvicorn).
 @click.option("--header-timeout", default=10.0, show_default=True, metavar="SECONDS",

@@ -14,6 +14,7 @@ from cli.dry_run import check_model, report_dry_run
 from cli.gpus import GPUS, gpus_for_run
 from cli.job_options import (
     COMPLETION_WINDOW, DRY_RUN, INPUT_FILE, JSON_OUTPUT, NO_REUSE, PRIORITY, REQUEST_TIMEOUT, SERVED_MODEL_NAME,
+    SHARD_SIZE,
 )
 from cli.options import job_engine_options, settings_options, table_columns
 from cli.several_models import job_models, several_engines, warn_unserved
@@ -28,7 +29,7 @@ CAPACITY_POLL_S = 2.0
 @click.argument("file", type=INPUT_FILE)
 @job_engine_options
 @table_columns
-@click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@SHARD_SIZE
 @PRIORITY
 @COMPLETION_WINDOW
 @REQUEST_TIMEOUT
@@ -72,7 +73,7 @@ def submit_command(file, engine_options, several_models, columns, shard_size, pr
 @click.argument("file", type=INPUT_FILE)
 @job_engine_options
 @table_columns
-@click.option("--shard-size", default=256, show_default=True, type=click.IntRange(min=1))
+@SHARD_SIZE
 @REQUEST_TIMEOUT
 @KEEP
 @SERVED_MODEL_NAME
@@ -261,7 +262,7 @@ def check_broker(settings: Settings) -> None:
         raise Fail(str(e), EXIT_BROKER) from None
 
 
-def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int,
+def _create_job(Session, settings: Settings, file, engine_options: dict, shard_size: int | str,
                 scheduling: dict | None = None, wait_for_capacity: bool = False):
     from jobs.input.line_checks import InvalidInput
     from jobs.submission import OverCapacity, create_job_from_file, create_job_from_stream

@@ -1,5 +1,5 @@
-"""The options the commands that make jobs share (submit, run, retry, serve): scheduling,
-served names, reuse, the dry run."""
+"""The options the commands that make jobs share (submit, run, retry, serve): shard size,
+scheduling, served names, reuse, the dry run."""
 from __future__ import annotations
 
 import click
@@ -22,6 +22,31 @@ def _check_window(ctx, param, value):
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
     return value
+
+
+class ShardSize(click.ParamType):
+    """--shard-size: "auto" or a whole number >= 1."""
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        from jobs.input.shard_sizing import AUTO
+
+        if value == AUTO:
+            return value
+        try:
+            if int(value) >= 1:
+                return int(value)
+        except ValueError:
+            pass
+        self.fail(f'{value!r} is neither "auto" nor a whole number >= 1', param, ctx)
+
+
+SHARD_SIZE = click.option(
+    "--shard-size", default="auto", show_default=True, type=ShardSize(),
+    help="Lines a shard holds (the unit a worker leases, commits and retries). auto: by their work, "
+         "estimated from the file's first 1000 lines: 256 lines of long generations, up to 2048 of 1-token "
+         "or embedding lines in a large job (a shard costs some 30 ms of a worker's time whatever its "
+         "size), and no more than leaves the job 64 shards to spread over workers.")
 
 
 PRIORITY = click.option("--priority", type=click.Choice(PRIORITIES),

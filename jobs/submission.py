@@ -24,6 +24,7 @@ from jobs.input.file_scan import write_input_shards
 from jobs.reuse.answer_key import engine_fingerprint
 from jobs.scheduling import DEFAULT_PRIORITY
 from jobs.input.shard_files import check_shard_size, read_shard, write_retry_shards
+from jobs.input.shard_sizing import resolve_shard_size
 from jobs.several_models import SeveralEngines
 from jobs.ledger.statuses import JobStatus
 from pipeline.engine_key import engine_key
@@ -33,11 +34,12 @@ from pipeline.request import FinishReason
 
 def create_job_from_file(
     Session: sessionmaker[Session], root, path, *, model: str, engine_options: dict,
-    shard_size: int, limits: Limits = Limits(), metadata: dict | None = None,
+    shard_size: int | str, limits: Limits = Limits(), metadata: dict | None = None,
     completion_window: str | None = None, api_key_id: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
-    """Validate `path`, shard it under the data root and insert a queued job (owned by
-    api_key_id when the HTTP API made it). scheduling: priority, request_timeout_s,
+    """Validate `path`, shard it under the data root (shard_size lines a shard, or "auto":
+    jobs.input.shard_sizing) and insert a queued job (owned by api_key_id when the HTTP API
+    made it). scheduling: priority, request_timeout_s,
     max_queued_requests, queue (the PIPELINE_QUEUE prefix it is sent on), endpoint (the
     url every OpenAI line must have, else EndpointMismatch), served_names (the names a
     line's body.model may use instead of the model's own: --served-model-name), columns
@@ -57,7 +59,7 @@ def create_job_from_file(
 
 def create_job_from_stream(
     Session: sessionmaker[Session], root, stream: BinaryIO, *, model: str, engine_options: dict,
-    shard_size: int, limits: Limits = Limits(), metadata: dict | None = None,
+    shard_size: int | str, limits: Limits = Limits(), metadata: dict | None = None,
     completion_window: str | None = None, **scheduling,
 ) -> tuple[str, list[int]]:
     """create_job_from_file for a stream (standard input), which can be read only once:
@@ -88,7 +90,7 @@ def _copy_at_most(src: BinaryIO, dst: BinaryIO, limit: int, chunk: int = 1 << 20
     return copied
 
 
-def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int,
+def _create_job(Session, root, job_id: str, path, *, model: str, engine_options: dict, shard_size: int | str,
                 limits: Limits, metadata: dict | None, completion_window: str | None = None,
                 api_key_id: str | None = None, priority: str = DEFAULT_PRIORITY,
                 request_timeout_s: float | None = None, max_queued_requests: int | None = None,
@@ -96,6 +98,7 @@ def _create_job(Session, root, job_id: str, path, *, model: str, engine_options:
                 served_names: tuple[str, ...] = (), reuse: bool = True, columns=None,
                 keep_seconds: int | None = None, models: list[tuple[str, dict]] | None = None,
                 models_named_only: bool = False) -> tuple[str, list[int]]:
+    shard_size = resolve_shard_size(shard_size, path)   # "auto": by the work of the file's first lines
     check_shard_size(shard_size)
     several = SeveralEngines(models, served_names) if models and len(models) > 1 else None
     job_paths = JobPaths(root, job_id)

@@ -92,6 +92,16 @@ def test_a_request_timeout_must_be_a_finite_positive_number(runner, data_root, t
     assert result.exit_code == 2 and "--request-timeout" in result.stderr, result.output
     assert not (data_root / "jobs").exists()
 
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "2.5", "AUTO "])
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_shard_size_is_auto_or_a_whole_number(runner, data_root, tmp_path, command, value):
+    src = write_jsonl(tmp_path / "in.jsonl", requests(3))
+    result = runner.invoke(main, [command, str(src), "--shard-size", value, *FAST])
+    assert result.exit_code == 2 and 'neither "auto" nor a whole number >= 1' in result.stderr, result.output
+    assert not (data_root / "jobs").exists()
+    assert "[default: auto]" in runner.invoke(main, [command, "--help"]).stdout
+
+
 def test_ids_the_ledger_cannot_store_are_line_errors_at_submit(runner, db_url, data_root, tmp_path):
     """A NUL in an id (PostgreSQL's text cannot hold one: every commit of its shard failed) or a
     lone surrogate: that line's error, on either ledger; a NUL in a prompt goes to Parquet: fine."""
