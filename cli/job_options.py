@@ -1,5 +1,5 @@
-"""The options the commands that make jobs share (submit, run, retry, serve): shard size,
-scheduling, served names, reuse, the dry run."""
+"""The options the commands that make jobs share (submit, run, retry, serve): shard size (not
+retry's: it keeps its old job's), scheduling, served names, reuse, the dry run."""
 from __future__ import annotations
 
 import click
@@ -42,11 +42,12 @@ class ShardSize(click.ParamType):
 
 
 SHARD_SIZE = click.option(
-    "--shard-size", default="auto", show_default=True, type=ShardSize(),
+    "--shard-size", default="auto", show_default=True, type=ShardSize(), metavar="[auto|N]",
     help="Lines a shard holds (the unit a worker leases, commits and retries). auto: by their work, "
-         "estimated from the file's first 1000 lines: 256 lines of long generations, up to 2048 of 1-token "
-         "or embedding lines in a large job (a shard costs some 30 ms of a worker's time whatever its "
-         "size), and no more than leaves the job 64 shards to spread over workers.")
+         "estimated from the file's first 1000 lines: 256 lines of long generations, up to 2048 of short "
+         "1-token or embedding lines in a large job (a shard costs some 30 ms of a worker's time whatever "
+         "its size), but no more than leaves the job about 64 shards to spread over workers; 256 for a "
+         "Parquet table.")
 
 
 PRIORITY = click.option("--priority", type=click.Choice(PRIORITIES),

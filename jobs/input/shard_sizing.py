@@ -6,8 +6,9 @@ its Parquet file written and synced, its ledger commit, the finalizer's check
 that vanishes; 256 one-token classification or embedding lines are tens of ms, and it about
 doubles them. So `auto` sizes a job's shards by their work: about AUTO_SHARD_TOKENS prompt and
 output tokens a shard, MIN_LINES to MAX_LINES lines, estimated from the file's first lines.
-A job keeps at least MIN_SHARDS shards where its size allows, so that a small job still
-spreads over many workers (eight GPUs' workers holding eight shards each).
+A job keeps about MIN_SHARDS shards or more (its line count is estimated from its size),
+so that a small job still spreads over many workers (eight GPUs' workers holding eight
+shards each).
 It is one number for the whole job, as a given --shard-size is: the ledger keeps it and a
 retry reuses it. Nothing here judges a line: one that does not parse weighs nothing, and the
 validation that follows reports it.
@@ -28,6 +29,7 @@ MIN_LINES, MAX_LINES = 256, 2048   # 256: the fixed size's default; 2,048 ran as
 AUTO_SHARD_TOKENS = 256 * 256      # 256 lines of a 256-token prompt and answer
 MIN_SHARDS = 64
 SAMPLE_LINES, SAMPLE_BYTES = 1000, 4 << 20
+MOST_OUTPUT, MOST_CHOICES = 1_000_000, 128   # what validation allows (a bad line's huge number stays finite)
 DEFAULT_MAX_TOKENS = next(f.default for f in SAMPLING_FIELDS if f.name == "max_tokens")   # a line that gives none
 EMBEDDINGS_URL = "/v1/embeddings"
 
@@ -89,7 +91,7 @@ def sample_weights(path) -> tuple[list[int], int]:
 def line_weight(line) -> int | None:
     """A line's prompt and output tokens, roughly: the JSON bytes of what it sends the model
     (prompt or messages, tools, a response format; a Responses body's instructions and input)
-    over 4, about a token of English text (of a token id list, about one an id); plus its
+    over 4, about a token of English text (of a token id list, one or two an id); plus its
     output, max_tokens (max_completion_tokens, max_output_tokens; else the default) times n
     for each of its prompts. An embedding's inputs alone. Either format (an OpenAI line's body,
     by its url). None: not a request."""
@@ -100,10 +102,10 @@ def line_weight(line) -> int | None:
     if (line.get("url") == EMBEDDINGS_URL) if openai else body.get("input") is not None:
         return 1 + len(_encode(body.get("input"))) // 4
     sent = [body.get(k) for k in ("prompt", "messages", "instructions", "input", "tools", "response_format",
-                                  "structured_output", "text")]
+                                  "structured_outputs", "text")]
     prompts = body.get("prompt")
     several = isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))
     asked = body.get("max_completion_tokens") or body.get("max_output_tokens") or body.get("max_tokens")
-    output = asked if isinstance(asked, int) and asked > 0 else DEFAULT_MAX_TOKENS
-    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
+    output = min(asked, MOST_OUTPUT) if isinstance(asked, int) and asked > 0 else DEFAULT_MAX_TOKENS
+    n = min(body.get("n"), MOST_CHOICES) if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
     return 1 + len(_encode([v for v in sent if v is not None])) // 4 + output * n * (len(prompts) if several else 1)

@@ -54,6 +54,9 @@ def test_a_lines_weight_is_what_it_sends_the_model_and_its_output_tokens_roughly
         line_weight({"input": REVIEW})
     essay = batch_line("r", {"model": "m", "input": "Write an essay", "max_output_tokens": 4096}, url="/v1/responses")
     assert line_weight(essay) > 4096   # a Responses line's input is its prompt, not an embedding's
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(20)}}
+    assert line_weight({**short, "structured_outputs": {"json": schema}}) > line_weight(short) + 100
+    assert line_weight({"prompt": "x", "max_tokens": 10 ** 400, "n": 10 ** 200}) < 10 ** 9   # bounded, as validated
     assert line_weight([1, 2]) is None and line_weight("text") is None
 
 
@@ -72,6 +75,11 @@ def test_a_large_job_gets_shards_by_its_lines_work(tmp_path):
 def test_a_smaller_job_keeps_enough_shards_to_spread_over_workers(tmp_path, lines):
     path = write_many(tmp_path, json.dumps({"id": "e", "input": REVIEW}).encode(), lines)
     assert resolve_shard_size(AUTO, path) == max(MIN_LINES, math.ceil(lines / MIN_SHARDS))
+
+
+def test_a_line_validation_refuses_never_stops_the_sizing(tmp_path):
+    huge = '{"id": "a", "prompt": "x", "max_tokens": ' + "9" * 400 + ', "n": ' + "9" * 300 + "}"
+    assert resolve_shard_size(AUTO, write(tmp_path, [huge])) == MIN_LINES   # validation then says why
 
 
 def test_a_file_that_says_nothing_gets_the_floor(tmp_path):
