@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from jobs.scheduling import PRIORITIES
-from cli.options import FiniteFloat
+from cli.options import AutoOrCount, FiniteFloat
 
 
 # FILE may be "-": standard input, read once into the job's own copy.
@@ -24,25 +24,8 @@ def _check_window(ctx, param, value):
     return value
 
 
-class ShardSize(click.ParamType):
-    """--shard-size: "auto" or a whole number >= 1."""
-    name = "auto|N"
-
-    def convert(self, value, param, ctx):
-        from jobs.input.shard_sizing import AUTO
-
-        if value == AUTO:
-            return value
-        try:
-            if int(value) >= 1:
-                return int(value)
-        except ValueError:
-            pass
-        self.fail(f'{value!r} is neither "auto" nor a whole number >= 1', param, ctx)
-
-
 SHARD_SIZE = click.option(
-    "--shard-size", default="auto", show_default=True, type=ShardSize(), metavar="[auto|N]",
+    "--shard-size", default="auto", show_default=True, type=AutoOrCount(1), metavar="[auto|N]",
     help="Lines a shard holds (the unit a worker leases, commits and retries). auto: by their work, "
          "estimated from the file's first 1000 lines: 256 lines of long generations, up to 2048 of short "
          "1-token or embedding lines in a large job (a shard costs some 30 ms of a worker's time whatever "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from jobs.settings import LOG_FORMATS, Settings, default, env_var, tokenizer_processes
+from jobs.settings import LOG_FORMATS, Settings, auto_or_count, default, env_var
 from pipeline.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                              SPECULATIVE_METHODS, EngineConfig)
 
@@ -29,15 +29,19 @@ class FiniteFloat(click.FloatRange):
         return rv
 
 
-class TokenizerProcesses(click.ParamType):
-    """--tokenizer-processes: "auto" or a whole number >= 0 (jobs.settings.tokenizer_processes)."""
+class AutoOrCount(click.ParamType):
+    """An option that is "auto" or a whole number >= minimum (jobs.settings.auto_or_count):
+    --tokenizer-processes, --shard-size."""
     name = "auto|N"
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
 
     def convert(self, value, param, ctx):
         try:
-            return tokenizer_processes(value)
+            return auto_or_count(value, self.minimum, "the option")   # (its own message below)
         except ValueError:
-            self.fail(f'{value!r} is neither "auto" nor a whole number >= 0', param, ctx)
+            self.fail(f'{value!r} is neither "auto" nor a whole number >= {self.minimum}', param, ctx)
 
 
 _SETTING_OPTIONS = {
@@ -51,7 +55,7 @@ _SETTING_OPTIONS = {
     "shards_in_flight": dict(decls=("--shards-in-flight",), type=click.IntRange(min=1), show_default=True,
                              help="Most shards one engine runs at once, sharing its batches (each starts "
                                   "once the batch has room), so that it never runs dry between shards."),
-    "tokenizer_processes": dict(decls=("--tokenizer-processes",), type=TokenizerProcesses(), show_default=True,
+    "tokenizer_processes": dict(decls=("--tokenizer-processes",), type=AutoOrCount(0), show_default=True,
                                 help="Processes that render and encode the next prompts beside the engine (for a "
                                      "host feeding a fast GPU short requests); 0: the engine's thread does; "
                                      "auto: one for an engine on a CUDA GPU, none on a CPU."),

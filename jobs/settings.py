@@ -138,14 +138,20 @@ class Settings:
 
 def tokenizer_processes(value: int | str) -> int | str:
     """PIPELINE_TOKENIZER_PROCESSES as the engine loop takes it: "auto", or a count >= 0."""
+    return auto_or_count(value, 0, "PIPELINE_TOKENIZER_PROCESSES")
+
+
+def auto_or_count(value: int | str, minimum: int, name: str) -> int | str:
+    """A setting that is "auto" or a whole number >= minimum (given as a number or its
+    digits); ValueError naming it otherwise."""
     if value == "auto":
         return value
     try:
         count = int(value)
     except (TypeError, ValueError):
-        count = -1
-    if count < 0 or isinstance(value, (bool, float)):
-        raise ValueError(f'PIPELINE_TOKENIZER_PROCESSES must be "auto" or a whole number >= 0, got {value!r}')
+        count = minimum - 1
+    if count < minimum or isinstance(value, (bool, float)):
+        raise ValueError(f'{name} must be "auto" or a whole number >= {minimum}, got {value!r}')
     return count
 
 
